@@ -1,0 +1,266 @@
+"""What the library knows about an array argument, whatever library it came from.
+
+:func:`describe` turns a NumPy / torch / CuPy array, a ``__cuda_array_interface__`` object or a
+DLPack object into an :class:`ArrayInfo` (pointer, shape, element strides, dtype name, device), with
+no copy.  :func:`empty` allocates an output in the caller's library on the caller's device, and
+:func:`current_stream` finds the caller's current stream.  torch and CuPy are never imported here:
+when a tensor of theirs arrives, their module is already in ``sys.modules``.
+"""
+import ctypes
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _dtypes
+
+CPU, CUDA, ROCM = "cpu", "cuda", "rocm"
+_DLPACK_DEVICES = {1: CPU, 3: CPU, 2: CUDA, 10: ROCM}
+
+
+@dataclass
+class ArrayInfo:
+    obj: object             # what the caller passed
+    lib: str                # "numpy" | "torch" | "cupy" | "cai" | "dlpack"
+    ptr: int
+    shape: tuple
+    strides: tuple          # in elements
+    dtype: str              # library dtype name (see _dtypes), or the foreign name
+    device: str             # "cpu" | "cuda" | "rocm"
+    device_index: int
+    host: np.ndarray = None  # host memory: a NumPy view in the storage dtype
+    wrap: object = None     # turns a finished output into the caller's library (DLPack callers)
+
+    def result(self):
+        return self.wrap(self.obj) if self.wrap is not None else self.obj
+
+    @property
+    def itemsize(self):
+        return _dtypes.ITEMSIZE.get(self.dtype, 0)
+
+    def extent_bytes(self):
+        """Bytes from ptr to one past the last element (strides are non-negative here)."""
+        if any(d == 0 for d in self.shape):
+            return 0
+        last = sum((d - 1) * s for d, s in zip(self.shape, self.strides))
+        return (last + 1) * max(self.itemsize, 1)
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _cupy():
+    return sys.modules.get("cupy")
+
+
+def describe(obj, name, reinterpret=None):
+    """ArrayInfo of ``obj``; ``reinterpret`` ("bfloat16"/"float16") reads uint16 storage as that."""
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _describe_torch(obj, torch, reinterpret)
+    if isinstance(obj, np.ndarray):
+        return _describe_numpy(obj, obj, "numpy", reinterpret)
+    cupy = _cupy()
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        return _from_cai(obj, "cupy", obj.__cuda_array_interface__, obj.device.id, reinterpret)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _from_cai(obj, "cai", obj.__cuda_array_interface__, None, reinterpret)
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        return _describe_dlpack(obj, reinterpret)
+    raise TypeError(f"{name}: expected a NumPy, CuPy or torch array, a __cuda_array_interface__ "
+                    f"or DLPack object, got {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def _describe_numpy(arr, obj, lib, reinterpret):
+    name = _dtypes.name_of_numpy(arr.dtype, reinterpret)
+    itemsize = arr.dtype.itemsize
+    strides = tuple(s // itemsize if s % itemsize == 0 else s / itemsize for s in arr.strides)
+    host = arr.view(_dtypes.STORAGE[name]) if name in _dtypes.STORAGE else arr
+    return ArrayInfo(obj, lib, arr.__array_interface__["data"][0], tuple(arr.shape), strides,
+                     name, CPU, -1, host)
+
+
+_TORCH_NAMES = {}
+
+
+def _torch_dtype_name(dtype, torch):
+    if not _TORCH_NAMES:
+        for n in ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn"):
+            _TORCH_NAMES[getattr(torch, n)] = n
+    return _TORCH_NAMES.get(dtype) or str(dtype).replace("torch.", "")
+
+
+def _describe_torch(t, torch, reinterpret):
+    name = _torch_dtype_name(t.dtype, torch)
+    if name == "uint16" and reinterpret in _dtypes.HALF_DTYPES:
+        name = reinterpret
+    dev = t.device
+    if dev.type == "cpu":
+        host = None
+        if name in _dtypes.STORAGE:
+            storage = _dtypes.STORAGE[name]
+            view = t.detach()
+            if storage.itemsize == 2 and name != "uint16":
+                view = view.view(torch.int16)
+            elif storage == np.uint8:
+                view = view.view(torch.uint8)
+            host = view.numpy().view(storage)
+        return ArrayInfo(t, "torch", t.data_ptr(), tuple(t.shape), tuple(t.stride()), name, CPU,
+                         -1, host)
+    kind = ROCM if getattr(torch.version, "hip", None) else CUDA
+    return ArrayInfo(t, "torch", t.data_ptr(), tuple(t.shape), tuple(t.stride()), name, kind,
+                     dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+_TYPESTR = {"<f4": "float32", "<f2": "float16", "<u2": "uint16", "|i1": "int8", "|u1": "uint8",
+            "<f8": "float64", "<i4": "int32", "<i8": "int64", "|b1": "bool"}
+
+
+def _from_cai(obj, lib, cai, device_index, reinterpret):
+    name = _TYPESTR.get(cai["typestr"], cai["typestr"])
+    if name == "uint16" and reinterpret in _dtypes.HALF_DTYPES:
+        name = reinterpret
+    shape = tuple(cai["shape"])
+    itemsize = int(cai["typestr"][2:])
+    if cai.get("strides") is None:
+        strides = _contiguous(shape)
+    else:
+        strides = tuple(s // itemsize if s % itemsize == 0 else s / itemsize
+                        for s in cai["strides"])
+    ptr = cai["data"][0] or 0
+    if device_index is None:
+        device_index = _pointer_device(ptr)
+    info = ArrayInfo(obj, lib, ptr, shape, strides, name, CUDA, device_index)
+    info.cai_stream = cai.get("stream")
+    return info
+
+
+def _pointer_device(ptr):
+    """Device ordinal owning a CUDA pointer (0 when it cannot be asked)."""
+    if not ptr:
+        return 0
+    try:
+        from cuda.bindings import driver
+        err, ordinal = driver.cuPointerGetAttribute(
+            driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+        return int(ordinal) if int(err) == 0 else 0
+    except Exception:
+        return 0
+
+
+# DLPack C structs (dlpack.h v0.8+; the layout of DLTensor has not changed since v0.2)
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+_DL_NAMES = {(2, 32): "float32", (2, 16): "float16", (4, 16): "bfloat16", (0, 8): "int8",
+             (1, 16): "uint16", (1, 8): "uint8", (2, 64): "float64", (0, 32): "int32",
+             (0, 64): "int64", (6, 8): "bool", (1, 1): "bool"}
+
+_get_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_capsule_pointer.restype = ctypes.c_void_p
+_get_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _describe_dlpack(obj, reinterpret):
+    dev_type, dev_id = obj.__dlpack_device__()
+    device = _DLPACK_DEVICES.get(int(dev_type))
+    if device is None:
+        raise TypeError(f"DLPack device type {dev_type} is not supported (CPU, CUDA or ROCm)")
+    if device == CPU:
+        arr = np.from_dlpack(obj)
+        info = _describe_numpy(arr, obj, "dlpack", reinterpret)
+        return info
+    capsule = obj.__dlpack__(stream=None) if device != CPU else obj.__dlpack__()
+    # the capsule owns a reference to obj's memory while we read the struct; obj keeps it alive
+    managed = _get_capsule_pointer(capsule, b"dltensor")
+    t = _DLTensor.from_address(managed)
+    ndim = t.ndim
+    shape = tuple(t.shape[i] for i in range(ndim))
+    strides = tuple(t.strides[i] for i in range(ndim)) if t.strides else _contiguous(shape)
+    name = _DL_NAMES.get((t.dtype.code, t.dtype.bits), f"dlpack({t.dtype.code},{t.dtype.bits})")
+    if name == "uint16" and reinterpret in _dtypes.HALF_DTYPES:
+        name = reinterpret
+    info = ArrayInfo(obj, "dlpack", (t.data or 0) + t.byte_offset, shape, strides, name, device,
+                     int(dev_id))
+    info.capsule = capsule
+    return info
+
+
+def current_stream(info):
+    """The caller's current stream handle for ``info``'s library and device (0: legacy default)."""
+    if info.lib == "torch":
+        return _torch()._C._cuda_getCurrentRawStream(info.device_index)
+    cupy = _cupy()
+    if info.lib == "cai":
+        stream = getattr(info, "cai_stream", None)
+        if stream not in (None, 1, 2):
+            return stream
+    if cupy is not None:
+        return cupy.cuda.get_current_stream().ptr
+    return 0
+
+
+def empty(like, shape, dtype):
+    """A new uninitialised array of ``shape`` / library ``dtype`` in ``like``'s library and device.
+    Returns (array, ArrayInfo)."""
+    lib = like.lib
+    if like.device == CPU:
+        if lib == "torch":
+            torch = _torch()
+            out = torch.empty(shape, dtype=getattr(torch, dtype))
+            return out, describe(out, "out")
+        out = np.empty(shape, _dtypes.NUMPY[dtype])
+        return out, _describe_numpy(out, out, "numpy", None)
+    if lib == "torch":
+        torch = _torch()
+        out = torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
+        return out, ArrayInfo(out, "torch", out.data_ptr(), tuple(shape), _contiguous(shape),
+                              dtype, like.device, like.device_index)
+    if lib == "cai" and type(like.obj).__module__.startswith("numba"):
+        from numba import cuda
+        with cuda.gpus[like.device_index]:
+            out = cuda.device_array(shape, _dtypes.STORAGE[dtype])
+        return out, _from_cai(out, "cai", out.__cuda_array_interface__, like.device_index, dtype)
+    cupy = _cupy()
+    if cupy is None:
+        try:
+            import cupy
+        except ImportError:
+            raise TypeError(f"returning {lib} arrays needs CuPy (pip install 'rmsnorm-hip[cuda]')")
+    with cupy.cuda.Device(like.device_index):
+        out = cupy.empty(shape, _dtypes.STORAGE[dtype])
+    info = _from_cai(out, "cupy", out.__cuda_array_interface__, like.device_index, dtype)
+    if lib == "dlpack":
+        info.wrap = lambda done: _back_to_library(like.obj, done)
+    return out, info
+
+
+def _back_to_library(like, cupy_out):
+    """A DLPack-speaking library's own array over ``cupy_out`` (e.g. JAX), else the CuPy array."""
+    root = type(like).__module__.split(".")[0]
+    mod = sys.modules.get(root)
+    if root in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+        return jnp.from_dlpack(cupy_out)
+    from_dlpack = getattr(mod, "from_dlpack", None)
+    return from_dlpack(cupy_out) if from_dlpack else cupy_out
+
+
+def _contiguous(shape):
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))

@@ -1,0 +1,47 @@
+"""The dtypes the library speaks, one spelling each.
+
+Kernels see 16-bit floats as ``uint16`` bit patterns (numba-hip has no half types, and CuPy has no
+bfloat16), so every dtype has a *name* (what the user sees) and a *storage* NumPy dtype (what the
+kernel is compiled for).
+"""
+import ml_dtypes
+import numpy as np
+
+FLOAT32 = "float32"
+FLOAT16 = "float16"
+BFLOAT16 = "bfloat16"
+INT8 = "int8"
+FLOAT8_E4M3FN = "float8_e4m3fn"
+
+ACTIVATION_DTYPES = (FLOAT32, FLOAT16, BFLOAT16)
+HALF_DTYPES = (FLOAT16, BFLOAT16)
+
+ITEMSIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2, INT8: 1, FLOAT8_E4M3FN: 1}
+
+# what the kernels are compiled for
+STORAGE = {
+    FLOAT32: np.dtype(np.float32),
+    FLOAT16: np.dtype(np.uint16),
+    BFLOAT16: np.dtype(np.uint16),
+    INT8: np.dtype(np.int8),
+    FLOAT8_E4M3FN: np.dtype(np.uint8),
+}
+
+# what NumPy callers get back
+NUMPY = {
+    FLOAT32: np.dtype(np.float32),
+    FLOAT16: np.dtype(np.float16),
+    BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+    INT8: np.dtype(np.int8),
+    FLOAT8_E4M3FN: np.dtype(ml_dtypes.float8_e4m3fn),
+}
+
+_FROM_NUMPY = {v: k for k, v in NUMPY.items()}
+
+
+def name_of_numpy(dtype, reinterpret=None):
+    """The library name of a NumPy dtype; ``reinterpret`` ("bfloat16"/"float16") reads uint16 storage."""
+    dtype = np.dtype(dtype)
+    if dtype == np.uint16 and reinterpret in HALF_DTYPES:
+        return reinterpret
+    return _FROM_NUMPY.get(dtype, str(dtype))

@@ -1,0 +1,119 @@
+"""Argument checks at the public boundary.  Every message starts with the function name and names
+the argument, what was expected and what was given.  Types raise TypeError; shapes, strides,
+dtype combinations, devices and values raise ValueError.  Nothing is launched before these pass."""
+import math
+
+from . import _dtypes
+
+
+def activation_dtype(info, fn, arg):
+    if info.dtype not in _dtypes.ACTIVATION_DTYPES:
+        raise TypeError(f"{fn}: {arg} must have dtype float32, float16 or bfloat16, "
+                        f"got {info.dtype}")
+
+
+def rows(info, fn, arg):
+    """(M, N, row_stride) of an array whose leading dims flatten to rows of unit-stride elements."""
+    shape, strides = info.shape, info.strides
+    if len(shape) == 0:
+        raise ValueError(f"{fn}: {arg} must have at least 1 dimension, got a 0-d array")
+    n = shape[-1]
+    if n == 0:
+        raise ValueError(f"{fn}: {arg} must have a non-empty last dimension, got shape {shape}")
+    m = math.prod(shape[:-1])
+    if any(not float(s).is_integer() for s in strides):
+        raise ValueError(f"{fn}: {arg} strides must be whole elements, got {strides}")
+    if n > 1 and strides[-1] != 1:
+        raise ValueError(f"{fn}: {arg} must have unit stride in its last dimension, "
+                         f"got stride {strides[-1]} (shape {shape})")
+    lead = [(d, s) for d, s in zip(shape[:-1], strides[:-1]) if d != 1]
+    if m == 0 or not lead:
+        return m, n, n
+    row_stride = lead[-1][1]
+    if row_stride < n:
+        raise ValueError(f"{fn}: {arg} row stride must be >= its last dimension {n} "
+                         f"(zero, negative and overlapping strides are not supported), "
+                         f"got strides {strides} for shape {shape}")
+    for (d_outer, s_outer), (d_inner, s_inner) in zip(lead[:-1], lead[1:]):
+        if s_outer != s_inner * d_inner:
+            raise ValueError(f"{fn}: {arg} leading dimensions must flatten to one row stride, "
+                             f"got strides {strides} for shape {shape}")
+    return m, n, int(row_stride)
+
+
+def same_place(info, like, fn, arg):
+    if info.lib != like.lib:
+        raise ValueError(f"{fn}: {arg} must come from the same array library as x ({like.lib}), "
+                         f"got {info.lib}")
+    if (info.device, info.device_index) != (like.device, like.device_index):
+        raise ValueError(f"{fn}: {arg} must be on the same device as x ({_where(like)}), "
+                         f"got {_where(info)}")
+
+
+def _where(info):
+    return "cpu" if info.device == "cpu" else f"{info.device}:{info.device_index}"
+
+
+def vector(info, like, n, fn, arg, dtypes):
+    """A (n,) unit-stride parameter vector (weight, xscale) on x's device with one of ``dtypes``."""
+    same_place(info, like, fn, arg)
+    if info.dtype not in dtypes:
+        raise TypeError(f"{fn}: {arg} must have dtype {' or '.join(dtypes)} for x of dtype "
+                        f"{like.dtype}, got {info.dtype}")
+    if info.shape != (n,):
+        raise ValueError(f"{fn}: {arg} must have shape ({n},), got {info.shape}")
+    if n > 1 and info.strides[-1] != 1:
+        raise ValueError(f"{fn}: {arg} must be contiguous, got stride {info.strides[-1]}")
+
+
+def weight_dtypes(x_dtype):
+    return (x_dtype,) if x_dtype == _dtypes.FLOAT32 else (x_dtype, _dtypes.FLOAT32)
+
+
+def eps(value, fn):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"{fn}: eps must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{fn}: eps must be a finite number >= 0, got {value}")
+    return value
+
+
+def weight_offset(value, has_weight, fn):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"{fn}: weight_offset must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{fn}: weight_offset must be finite, got {value}")
+    if not has_weight and value != 0.0:
+        raise ValueError(f"{fn}: weight_offset must be 0.0 when weight is None, got {value}")
+    return value
+
+
+def reinterpret(dtype, fn):
+    if dtype not in (None, _dtypes.BFLOAT16, _dtypes.FLOAT16):
+        raise ValueError(f"{fn}: dtype must be None, 'bfloat16' or 'float16', got {dtype!r}")
+    return dtype
+
+
+def output(info, like, shape, dtype, fn, arg):
+    """An ``out=`` array: same shape, dtype, device and library as ``like``; rows may be strided."""
+    same_place(info, like, fn, arg)
+    if info.dtype != dtype:
+        raise TypeError(f"{fn}: {arg} must have dtype {dtype}, got {info.dtype}")
+    if tuple(info.shape) != tuple(shape):
+        raise ValueError(f"{fn}: {arg} must have shape {tuple(shape)}, got {tuple(info.shape)}")
+    return rows(info, fn, arg)
+
+
+def no_overlap(out, inputs, fn, arg, allow_same=None):
+    """``out`` shares no memory with any of ``inputs`` (``allow_same`` may be exactly ``out``)."""
+    lo, hi = out.ptr, out.ptr + out.extent_bytes()
+    for name, info in inputs:
+        if info is None or hi == lo:
+            continue
+        if allow_same is info and info.ptr == out.ptr and info.strides == out.strides:
+            continue
+        if info.ptr < hi and lo < info.ptr + info.extent_bytes():
+            raise ValueError(f"{fn}: {arg} overlaps {name}; only out=x (in place) may share "
+                             f"memory with an input")

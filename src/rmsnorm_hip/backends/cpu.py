@@ -1,0 +1,39 @@
+"""CPU backend: NumPy (host) arrays through numba's CPU JIT, rows in parallel."""
+import numpy as np
+
+from .. import _cache, _dtypes, intrinsics
+from ..kernels import cpu_rmsnorm
+
+
+def rows_view(info, m, n, row_stride):
+    """(m, n) view of host memory with the given row stride (elements)."""
+    host = info.host
+    return np.lib.stride_tricks.as_strided(host, shape=(m, n),
+                                           strides=(row_stride * host.itemsize, host.itemsize))
+
+
+def _dummy(dtype):
+    return np.zeros(1, _dtypes.STORAGE[dtype])
+
+
+class CpuBackend:
+    name = "cpu"
+    arch = "host"
+    device_index = -1
+    cache_key = ("cpu", "host", -1)
+
+    def __init__(self):
+        self.intrinsics = intrinsics.load("cpu")
+
+    def _kernel(self, builder, *spec):
+        return _cache.get(self.cache_key + (builder.__name__,) + spec,
+                          lambda: builder(self.intrinsics, *spec))
+
+    def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset):
+        wdtype = weight.dtype if weight is not None else ""
+        fwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_fwd, x.dtype, wdtype)
+        fwd(rows_view(x, m, n, x_stride),
+            weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
+            rows_view(y, m, n, y_stride),
+            rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
+            np.float32(eps), np.float32(weight_offset), rstd is not None)

@@ -1,0 +1,128 @@
+"""NVIDIA backend: kernels compiled to PTX by numba-cuda, loaded once per device with the driver API
+(cuda-python's ``cuda.bindings``) and launched with ``cuLaunchKernel`` on the caller's stream.
+numba's per-call dispatcher (80-140 us a call) is never on the launch path."""
+import re
+import threading
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+from .. import _compat  # noqa: F401
+from .. import _arrays, intrinsics
+from ._argpack import ArgPack
+from ._gpu import GpuBackend
+
+_compile_lock = threading.Lock()
+
+
+@contextmanager
+def _targeting(cc):
+    """numba-cuda asks the current device for its compute capability when it compiles device
+    functions; answer with ``cc`` so that ahead-of-time builds need no GPU."""
+    import numba.cuda.dispatcher as dispatcher
+    with _compile_lock:
+        original = dispatcher.get_current_device
+        dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=cc)
+        try:
+            yield
+        finally:
+            dispatcher.get_current_device = original
+
+
+def compile_ptx(pyfunc, argtypes, cc):
+    """(ptx text, entry name) of a kernel for compute capability ``cc``, no GPU needed."""
+    from numba import cuda
+    with _targeting(cc):
+        ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=cc)
+    return ptx, re.search(r"\.entry\s+([\w$]+)\s*\(", ptx).group(1)
+
+
+def _check(result, what):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        from cuda.bindings import driver
+        name = driver.cuGetErrorName(err)[1]
+        raise RuntimeError(f"{what} failed: {name.decode() if name else int(err)}")
+    return result[1] if isinstance(result, tuple) and len(result) == 2 else result
+
+
+class CudaKernel:
+    def __init__(self, function, argtypes, ptx, name):
+        self.function = function
+        self.args = ArgPack(argtypes)
+        self.ptx = ptx
+        self.name = name
+
+    def attributes(self):
+        """Registers, local (spill) bytes and static shared memory of the loaded kernel."""
+        from cuda.bindings import driver
+        a = driver.CUfunction_attribute
+        get = lambda attr: _check(driver.cuFuncGetAttribute(attr, self.function), "cuFuncGetAttribute")
+        return dict(registers=get(a.CU_FUNC_ATTRIBUTE_NUM_REGS),
+                    local_bytes=get(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+                    shared_bytes=get(a.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
+                    max_threads=get(a.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK))
+
+
+class CudaBackend(GpuBackend):
+    name = "cuda"
+
+    def __init__(self, device_index):
+        from cuda.bindings import driver
+        self._driver = driver
+        _check(driver.cuInit(0), "cuInit")
+        self.device_index = device_index
+        self._device = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
+        attr = driver.CUdevice_attribute
+        major = _check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._device), "cuDeviceGetAttribute")
+        minor = _check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._device), "cuDeviceGetAttribute")
+        self.cc = (major, minor)
+        self.arch = f"sm_{major}{minor}"
+        self.sm_count = _check(driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self._device), "cuDeviceGetAttribute")
+        self._context = _check(driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
+        self._context_id = int(self._context)
+        self._launch = driver.cuLaunchKernel
+        self._success = driver.CUresult.CUDA_SUCCESS
+        super().__init__(intrinsics.load("cuda"))
+
+    @contextmanager
+    def current(self):
+        """This device's primary context, current for the block; the caller's is restored."""
+        driver = self._driver
+        if int(_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")) == self._context_id:
+            yield
+            return
+        _check(driver.cuCtxPushCurrent(self._context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            _check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+    def compile(self, pyfunc, argtypes, name):
+        ptx, entry = compile_ptx(pyfunc, argtypes, self.cc)
+        with self.current():
+            module = _check(self._driver.cuModuleLoadData(ptx.encode() + b"\0"), "cuModuleLoadData")
+            function = _check(self._driver.cuModuleGetFunction(module, entry.encode()),
+                              "cuModuleGetFunction")
+        kernel = CudaKernel(function, argtypes, ptx, name)
+        kernel.module = module
+        return kernel
+
+    @staticmethod
+    def arg(info, dtype):
+        return info.ptr if info is not None else 0
+
+    def launch(self, kernel, grid, block, args, like):
+        params = kernel.args.pack(args)
+        stream = _arrays.current_stream(like)
+        err, = self._launch(kernel.function, grid[0], grid[1], grid[2], block[0], block[1],
+                            block[2], 0, stream, params, 0)
+        if err != self._success:
+            if int(err) == 201:  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread
+                with self.current():
+                    err, = self._launch(kernel.function, grid[0], grid[1], grid[2], block[0],
+                                        block[1], block[2], 0, stream, params, 0)
+            if err != self._success:
+                _check(err, f"cuLaunchKernel({kernel.name})")

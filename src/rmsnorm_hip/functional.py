@@ -1,0 +1,55 @@
+"""The public entry points of API.md over NumPy, CuPy, torch, ``__cuda_array_interface__`` and
+DLPack arrays.  Validation happens here, before any launch; kernels run on the backend chosen by
+:func:`rmsnorm_hip.backends.for_array`."""
+from . import _arrays, _dtypes, _validate, backends
+
+__all__ = ["rms_norm"]
+
+
+def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rstd=False,
+             dtype=None):
+    """Root-mean-square normalisation over the last dimension.
+
+    ``y = x * rstd * (weight + weight_offset)``, ``rstd = 1 / sqrt(mean(x**2) + eps)`` per row,
+    computed in float32 with one rounding to x's dtype.
+
+    Parameters
+    ----------
+    x : array (..., N) of float32, float16 or bfloat16; rows may be strided (unit last stride).
+    weight : array (N,) in x's dtype, or float32 for 16-bit x; None for no scaling.
+    eps : float >= 0.
+    weight_offset : added to weight (1.0 gives Gemma's ``1 + w``); must be 0 without weight.
+    out : array like x to write y into (may be x itself; rows may be strided).
+    return_rstd : also return the float32 (M,) rstd.
+    dtype : "bfloat16" / "float16" to read uint16 storage (CuPy has no bfloat16).
+
+    Returns
+    -------
+    y, or (y, rstd) — in x's library and on x's device.
+    """
+    fn = "rms_norm"
+    reinterpret = _validate.reinterpret(dtype, fn)
+    xi = _arrays.describe(x, "x", reinterpret)
+    _validate.activation_dtype(xi, fn, "x")
+    m, n, x_stride = _validate.rows(xi, fn, "x")
+    wi = None
+    if weight is not None:
+        wi = _arrays.describe(weight, "weight", reinterpret)
+        _validate.vector(wi, xi, n, fn, "weight", _validate.weight_dtypes(xi.dtype))
+    eps = _validate.eps(eps, fn)
+    weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
+    backend = backends.for_array(xi, fn)
+
+    if out is None:
+        _, yi = _arrays.empty(xi, xi.shape, xi.dtype)
+        y_stride = n
+    else:
+        yi = _arrays.describe(out, "out", reinterpret)
+        _, _, y_stride = _validate.output(yi, xi, xi.shape, xi.dtype, fn, "out")
+        _validate.no_overlap(yi, [("x", xi), ("weight", wi)], fn, "out", allow_same=xi)
+    ri = _arrays.empty(xi, (m,), _dtypes.FLOAT32)[1] if return_rstd else None
+
+    if m > 0:
+        backend.rms_norm_fwd(xi, wi, yi, ri, m, n, x_stride, y_stride, eps, weight_offset)
+    y = yi.result() if out is None else out
+    return (y, ri.result()) if return_rstd else y

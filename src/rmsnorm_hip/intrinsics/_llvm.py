@@ -1,0 +1,99 @@
+"""LLVM IR codegen shared by the compiled GPU intrinsics (numba-cuda and numba-hip emit the same IR
+for these; only the ``intrinsic`` decorator they are registered with differs)."""
+from llvmlite import ir
+from numba import types
+
+I32 = ir.IntType(32)
+V4I32 = ir.VectorType(I32, 4)
+GLOBAL = 1  # global address space on both NVPTX and AMDGPU
+
+
+def _global_vec_ptr(context, builder, ptrty, ptr, idxty, idx):
+    index = context.cast(builder, idx, idxty, types.int64)
+    elem = builder.gep(ptr, [index])
+    gptr = builder.addrspacecast(elem, ir.PointerType(elem.type.pointee, GLOBAL))
+    return builder.bitcast(gptr, ir.PointerType(V4I32, GLOBAL))
+
+
+def is_pointer_index(ptr, idx):
+    return isinstance(ptr, types.CPointer) and isinstance(idx, types.Integer)
+
+
+def define(intrinsic):
+    """The compiled intrinsics, registered with ``intrinsic`` (numba-cuda's or numba-hip's)."""
+
+    @intrinsic
+    def f32_as_u32(typingctx, value):
+        if not isinstance(value, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            f = context.cast(builder, args[0], sig.args[0], types.float32)
+            return builder.bitcast(f, I32)
+
+        return types.uint32(value), codegen
+
+    @intrinsic
+    def u32_as_f32(typingctx, value):
+        if not isinstance(value, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            u = context.cast(builder, args[0], sig.args[0], types.uint32)
+            return builder.bitcast(u, ir.FloatType())
+
+        return types.float32(value), codegen
+
+    @intrinsic
+    def load_b128(typingctx, ptr, idx):
+        """16 bytes at element ``idx`` of ``ptr`` (16-byte aligned) as four uint32."""
+        if not is_pointer_index(ptr, idx):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(ptr, idx)
+
+        def codegen(context, builder, sig, args):
+            vptr = _global_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vec = builder.load(vptr, align=16)
+            words = [builder.extract_element(vec, ir.Constant(I32, k)) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_b128(typingctx, ptr, idx, w0, w1, w2, w3):
+        """Store four uint32 as 16 bytes at element ``idx`` of ``ptr`` (16-byte aligned)."""
+        if not is_pointer_index(ptr, idx):
+            return None
+        sig = types.void(ptr, idx, w0, w1, w2, w3)
+
+        def codegen(context, builder, sig, args):
+            vptr = _global_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vec = ir.Constant(V4I32, ir.Undefined)
+            for k in range(4):
+                word = context.cast(builder, args[2 + k], sig.args[2 + k], types.uint32)
+                vec = builder.insert_element(vec, word, ir.Constant(I32, k))
+            builder.store(vec, vptr, align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def atomic_add_f32(typingctx, ptr, idx, value):
+        """ptr[idx] += value atomically (float32).  On AMD the metadata lets LLVM emit a native
+        global_atomic_add_f32 instead of a compare-and-swap loop; NVPTX ignores it."""
+        if not (is_pointer_index(ptr, idx) and ptr.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            index = context.cast(builder, args[1], sig.args[1], types.int64)
+            elem = builder.gep(args[0], [index])
+            gptr = builder.addrspacecast(elem, ir.PointerType(ir.FloatType(), GLOBAL))
+            val = context.cast(builder, args[2], sig.args[2], types.float32)
+            inst = builder.atomic_rmw("fadd", gptr, val, "monotonic")
+            inst.set_metadata("amdgpu.no.fine.grained.memory", builder.module.add_metadata([]))
+            return context.get_dummy_value()
+
+        return types.void(ptr, idx, value), codegen
+
+    return dict(f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,
+                store_b128=store_b128, atomic_add_f32=atomic_add_f32)

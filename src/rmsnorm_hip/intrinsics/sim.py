@@ -1,0 +1,92 @@
+"""Simulator intrinsics: the numba-cuda simulator (``NUMBA_ENABLE_CUDASIM=1``) runs kernels as Python
+threads, one OS thread per GPU thread.  It has no warp shuffles, so ``shfl_xor`` is emulated here
+with a barrier per warp; the warp width is a parameter, so the AMD 64-lane wavefront logic runs on
+the CPU too.  Shuffles assume warp-uniform control flow, which is how the kernels use them.
+"""
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+from numba import float32
+
+from . import _shared
+
+_lock = threading.Lock()
+
+
+def _kernel_module():
+    from numba.cuda.simulator import kernel
+    return kernel._get_kernel_context()
+
+
+class _SimGpu:
+    """Stands for ``numba.cuda`` inside kernels: resolves to the running launch's fake module."""
+
+    def __getattr__(self, name):
+        return getattr(_kernel_module(), name)
+
+
+def _identity(fn=None, **_options):
+    return fn if fn is not None else _identity
+
+
+def f32_as_u32(value):
+    return np.float32(value).view(np.uint32)
+
+
+def u32_as_f32(value):
+    return np.uint32(value).view(np.float32)
+
+
+def load_b128(ptr, idx):
+    per_word = 4 // ptr.dtype.itemsize if ptr.dtype.itemsize < 4 else 1
+    elems = np.array([ptr[idx + k] for k in range(4 * per_word)], dtype=ptr.dtype)
+    words = elems.view(np.uint32)
+    return words[0], words[1], words[2], words[3]
+
+
+def store_b128(ptr, idx, w0, w1, w2, w3):
+    elems = np.array([w0, w1, w2, w3], dtype=np.uint32).view(ptr.dtype)
+    for k in range(elems.size):
+        ptr[idx + k] = elems[k]
+
+
+def atomic_add_f32(ptr, idx, value):
+    with _lock:
+        ptr[idx] = float32(ptr[idx] + float32(value))
+
+
+def _make_shfl_xor(warp):
+    def warp_state():
+        thread = threading.current_thread()
+        manager = thread._manager
+        warp_id, lane = divmod(thread.thread_id, warp)
+        states = manager.__dict__.setdefault("_rmsnorm_warps", {})
+        state = states.get(warp_id)
+        if state is None:
+            with _lock:
+                state = states.get(warp_id)
+                if state is None:
+                    bx, by, bz = (tuple(manager._block_dim) + (1, 1))[:3]
+                    lanes = min(warp, bx * by * bz - warp_id * warp)
+                    state = (threading.Barrier(lanes, timeout=300), [None] * warp)
+                    states[warp_id] = state
+        return state[0], state[1], lane
+
+    def shfl_xor(value, offset):
+        barrier, slots, lane = warp_state()
+        slots[lane] = value
+        barrier.wait()
+        src = lane ^ int(offset)
+        out = slots[src] if src < barrier.parties else value
+        barrier.wait()  # nobody overwrites a slot before every lane has read
+        return out
+
+    return shfl_xor
+
+
+def build(warp):
+    shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
+    return SimpleNamespace(name="sim", warp=warp, gpu=_SimGpu(), jitable=_identity,
+                           f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,
+                           store_b128=store_b128, atomic_add_f32=atomic_add_f32, **vars(shared))

@@ -1,0 +1,68 @@
+"""Launch geometry: frozen specs and the one place their thresholds live.
+
+Batch invariance (API.md) constrains what may depend on what.  A row's float32 reduction order is
+fixed by its :class:`RowLayout` (threads per row, chunks per thread), which is a function of N and
+the dtype only.  Everything else (rows per block, grid, vector or scalar access) may follow M and
+the pointers, because every such variant computes the same per-chunk sums in the same order.
+"""
+from dataclasses import dataclass
+
+from .. import _dtypes
+
+CHUNK_BYTES = 16            # one 128-bit access: 8 16-bit or 4 32-bit elements
+MAX_THREADS = 1024          # per row
+CHUNKS_PER_THREAD = 2       # target: two 128-bit loads in flight per thread per row
+MAX_CACHED_FLOATS = 32      # row values a thread keeps in registers between the two passes
+BLOCK_THREADS = 256         # multi-row blocks for small N; >= 64 so AMD wavefronts are full
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def next_pow2(n):
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How one row is split over threads: thread ``t`` owns chunks ``t, t+threads, ...``."""
+    n: int
+    chunk: int              # elements per 16-byte chunk
+    threads: int
+    chunks_per_thread: int
+    cached: bool            # the row stays in registers between the passes (else it is re-read)
+
+    @property
+    def n_chunks(self):
+        return ceil_div(self.n, self.chunk)
+
+
+def row_layout(n, dtype):
+    """The per-row reduction shape: a function of ``n`` and ``dtype`` only (batch invariance)."""
+    chunk = CHUNK_BYTES // _dtypes.ITEMSIZE[dtype]
+    n_chunks = ceil_div(n, chunk)
+    if n_chunks <= 32:
+        # a power of two so the butterfly stays inside aligned lane groups on 32- and 64-lane warps
+        threads = next_pow2(n_chunks)
+    else:
+        # a multiple of 64 is a whole number of warps on NVIDIA and of wavefronts on AMD
+        threads = min(MAX_THREADS, 64 * ceil_div(ceil_div(n_chunks, CHUNKS_PER_THREAD), 64))
+    per_thread = ceil_div(n_chunks, threads)
+    return RowLayout(n=n, chunk=chunk, threads=threads, chunks_per_thread=per_thread,
+                     cached=per_thread * chunk <= MAX_CACHED_FLOATS)
+
+
+def rows_per_block(layout):
+    return max(1, BLOCK_THREADS // layout.threads)
+
+
+@dataclass(frozen=True)
+class FwdSpec:
+    """Compile-time constants of one forward kernel."""
+    layout: RowLayout
+    rows: int               # rows per block
+    dtype: str              # x / y
+    weight: str             # weight dtype, or "" for no weight
+    vector: bool            # 128-bit accesses (row starts, strides and weight 16-byte aligned)
+    store_rstd: bool

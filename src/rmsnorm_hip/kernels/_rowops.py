@@ -1,0 +1,138 @@
+"""Row pieces shared by every forward variant: 16-byte chunk load/store in a dtype, the chunk's
+sum of squares, and the per-row sum across the threads of a row.
+
+A chunk is ``layout.chunk`` consecutive elements (16 bytes of x).  The vector form reads it with
+128-bit accesses; the scalar form reads element by element (any alignment, a ragged last chunk is
+zero-filled).  Both fill the same float32 slots, so every float32 operation after the load is the
+same and a row gives bitwise the same result whichever form ran.
+"""
+from numba import float32, uint16, uint32
+
+from .. import _dtypes
+from ._config import CHUNK_BYTES, ceil_div
+
+
+class ChunkIO:
+    """``load(ptr, start, col0, vals, slot)`` / ``store(...)`` of one chunk of ``chunk`` elements
+    of ``dtype`` at ``ptr[start + col0 ...]``, into / from ``vals[slot ...]`` (float32)."""
+
+    def __init__(self, intr, dtype, chunk, n, vector):
+        self.load, self.store = _make_chunk_io(intr, dtype, chunk, n, vector)
+
+
+def _codec(intr, dtype):
+    if dtype == _dtypes.BFLOAT16:
+        return intr.bf16_to_f32, intr.f32_to_bf16
+    if dtype == _dtypes.FLOAT16:
+        return intr.f16_to_f32, intr.f32_to_f16
+    return None, None
+
+
+def _make_chunk_io(intr, dtype, chunk, n, vector):
+    jitable = intr.jitable
+    itemsize = _dtypes.ITEMSIZE[dtype]
+    n_vec = ceil_div(chunk * itemsize, CHUNK_BYTES)      # 128-bit accesses per chunk
+    elems_per_vec = CHUNK_BYTES // itemsize
+    decode, encode = _codec(intr, dtype)
+    half = decode is not None
+    u32_as_f32, f32_as_u32 = intr.u32_as_f32, intr.f32_as_u32
+    load_b128, store_b128 = getattr(intr, "load_b128", None), getattr(intr, "store_b128", None)
+
+    @jitable
+    def words_to_floats(w0, w1, w2, w3, vals, at):
+        if half:
+            vals[at + 0] = decode(w0 & uint32(0xFFFF))
+            vals[at + 1] = decode(w0 >> uint32(16))
+            vals[at + 2] = decode(w1 & uint32(0xFFFF))
+            vals[at + 3] = decode(w1 >> uint32(16))
+            vals[at + 4] = decode(w2 & uint32(0xFFFF))
+            vals[at + 5] = decode(w2 >> uint32(16))
+            vals[at + 6] = decode(w3 & uint32(0xFFFF))
+            vals[at + 7] = decode(w3 >> uint32(16))
+        else:
+            vals[at + 0] = u32_as_f32(w0)
+            vals[at + 1] = u32_as_f32(w1)
+            vals[at + 2] = u32_as_f32(w2)
+            vals[at + 3] = u32_as_f32(w3)
+
+    @jitable
+    def pair(vals, at):
+        return uint32(encode(vals[at])) | (uint32(encode(vals[at + 1])) << uint32(16))
+
+    if vector:
+        @jitable
+        def load(ptr, start, col0, vals, slot):
+            for a in range(n_vec):
+                w0, w1, w2, w3 = load_b128(ptr, start + col0 + a * elems_per_vec)
+                words_to_floats(w0, w1, w2, w3, vals, slot + a * elems_per_vec)
+
+        @jitable
+        def store(ptr, start, col0, vals, slot):
+            if half:
+                store_b128(ptr, start + col0, pair(vals, slot), pair(vals, slot + 2),
+                           pair(vals, slot + 4), pair(vals, slot + 6))
+            else:
+                store_b128(ptr, start + col0, f32_as_u32(vals[slot]), f32_as_u32(vals[slot + 1]),
+                           f32_as_u32(vals[slot + 2]), f32_as_u32(vals[slot + 3]))
+    else:
+        @jitable
+        def load(ptr, start, col0, vals, slot):
+            for e in range(chunk):
+                value = float32(0.0)
+                if col0 + e < n:
+                    if half:
+                        value = decode(ptr[start + col0 + e])
+                    else:
+                        value = float32(ptr[start + col0 + e])
+                vals[slot + e] = value
+
+        @jitable
+        def store(ptr, start, col0, vals, slot):
+            for e in range(chunk):
+                if col0 + e < n:
+                    if half:
+                        ptr[start + col0 + e] = uint16(encode(vals[slot + e]))
+                    else:
+                        ptr[start + col0 + e] = vals[slot + e]
+
+    return load, store
+
+
+def make_chunk_sumsq(intr, chunk):
+    """Pairwise sum of squares of ``vals[slot : slot + chunk]`` (chunk 4 or 8)."""
+    @intr.jitable
+    def chunk_sumsq(vals, slot):
+        s0 = vals[slot] * vals[slot] + vals[slot + 1] * vals[slot + 1]
+        s1 = vals[slot + 2] * vals[slot + 2] + vals[slot + 3] * vals[slot + 3]
+        total = s0 + s1
+        if chunk == 8:
+            s2 = vals[slot + 4] * vals[slot + 4] + vals[slot + 5] * vals[slot + 5]
+            s3 = vals[slot + 6] * vals[slot + 6] + vals[slot + 7] * vals[slot + 7]
+            total = total + (s2 + s3)
+        return total
+
+    return chunk_sumsq
+
+
+def make_row_sum(intr, threads):
+    """Sum a float32 over the ``threads`` threads of a row (threadIdx.x), every thread gets it.
+    Lanes of a warp combine by xor-butterfly, warps of a row through ``red[row_in_block, :]``."""
+    warp = intr.warp
+    lanes = min(threads, warp)
+    warps_per_row = ceil_div(threads, warp)
+    warp_sum = intr.warp_sum
+    gpu = intr.gpu
+
+    @intr.jitable
+    def row_sum(value, red, ty, tx):
+        value = warp_sum(value, lanes)
+        if warps_per_row > 1:
+            if tx % warp == 0:
+                red[ty, tx // warp] = value
+            gpu.syncthreads()
+            value = red[ty, 0]
+            for i in range(1, warps_per_row):
+                value += red[ty, i]
+        return value
+
+    return row_sum, warps_per_row
