@@ -31,13 +31,8 @@ class GpuBackend:
                                                     builder.__name__))
 
     # ---- forward -------------------------------------------------------------------------
-    def fwd_spec(self, n, dtype, weight_dtype, vector, store_rstd):
-        layout = _config.row_layout(n, dtype)
-        return _config.FwdSpec(layout=layout, rows=_config.rows_per_block(layout), dtype=dtype,
-                               weight=weight_dtype, vector=vector, store_rstd=store_rstd)
-
     def _fwd_plan(self, key):
-        spec = self.fwd_spec(*key)
+        spec = _config.fwd_spec(*key)
         kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
         plan = (kernel, spec.rows, (spec.layout.threads, spec.rows, 1))
         self._plans[("fwd",) + key] = plan

@@ -13,6 +13,8 @@ Names every GPU namespace provides
 ``f32_as_u32``, ``u32_as_f32``     bit casts
 ``bf16_to_f32``, ``f32_to_bf16``,  16-bit float codecs on ``uint16`` bits, round-to-nearest-even,
 ``f16_to_f32``, ``f32_to_f16``     NaN kept NaN
+``pack_bf16x2``, ``pack_f16x2``  two float32 -> one uint32 of two 16-bit floats (lo in bits 0-15),
+                                  round-to-nearest-even (NaN stays NaN; its bits may differ by backend)
 ``load_b128``, ``store_b128``      16-byte global access at element ``i`` of a pointer: 4 x uint32
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
                                   two <= warp), every lane gets the result

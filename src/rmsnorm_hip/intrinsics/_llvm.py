@@ -97,3 +97,70 @@ def define(intrinsic):
 
     return dict(f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,
                 store_b128=store_b128, atomic_add_f32=atomic_add_f32)
+
+
+def define_hw_f16(intrinsic):
+    """float16 <-> float32 with the hardware's conversions (``fpext``/``fptrunc`` on ``half``:
+    cvt.f32.f16 / cvt.rn.f16x2.f32 on NVIDIA, v_cvt_f32_f16 / v_cvt_pk_f16_f32 style on AMD)."""
+    half = ir.HalfType()
+
+    @intrinsic
+    def f16_to_f32(typingctx, bits):
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            u = context.cast(builder, args[0], sig.args[0], types.uint16)
+            return builder.fpext(builder.bitcast(u, half), ir.FloatType())
+
+        return types.float32(bits), codegen
+
+    def _to_half_bits(context, builder, value, ty):
+        f = context.cast(builder, value, ty, types.float32)
+        return builder.zext(builder.bitcast(builder.fptrunc(f, half), ir.IntType(16)), I32)
+
+    @intrinsic
+    def f32_to_f16(typingctx, value):
+        if not isinstance(value, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.trunc(_to_half_bits(context, builder, args[0], sig.args[0]),
+                                 ir.IntType(16))
+
+        return types.uint16(value), codegen
+
+    @intrinsic
+    def pack_f16x2(typingctx, lo, hi):
+        if not (isinstance(lo, types.Float) and isinstance(hi, types.Float)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            low = _to_half_bits(context, builder, args[0], sig.args[0])
+            high = _to_half_bits(context, builder, args[1], sig.args[1])
+            return builder.or_(low, builder.shl(high, ir.Constant(I32, 16)))
+
+        return types.uint32(lo, hi), codegen
+
+    return dict(f16_to_f32=f16_to_f32, f32_to_f16=f32_to_f16, pack_f16x2=pack_f16x2)
+
+
+def define_ptx_pack(intrinsic, instruction):
+    """(lo, hi) float32 -> uint32 through one PTX ``cvt.rn.<16-bit>x2.f32`` (its first source
+    operand lands in the upper half)."""
+
+    @intrinsic
+    def pack(typingctx, lo, hi):
+        if not (isinstance(lo, types.Float) and isinstance(hi, types.Float)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            low = context.cast(builder, args[0], sig.args[0], types.float32)
+            high = context.cast(builder, args[1], sig.args[1], types.float32)
+            fnty = ir.FunctionType(I32, [ir.FloatType(), ir.FloatType()])
+            asm = ir.InlineAsm(fnty, f"{instruction} $0, $1, $2;", "=r,f,f", side_effect=False)
+            return builder.call(asm, [high, low])
+
+        return types.uint32(lo, hi), codegen
+
+    return pack

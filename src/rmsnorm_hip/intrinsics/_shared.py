@@ -62,6 +62,14 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
         return uint16(sign | kept)
 
     @jitable
+    def pack_bf16x2(lo, hi):
+        return uint32(f32_to_bf16(lo)) | (uint32(f32_to_bf16(hi)) << uint32(16))
+
+    @jitable
+    def pack_f16x2(lo, hi):
+        return uint32(f32_to_f16(lo)) | (uint32(f32_to_f16(hi)) << uint32(16))
+
+    @jitable
     def warp_sum(value, width):
         offset = width >> 1
         while offset > 0:
@@ -82,4 +90,4 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
 
     return SimpleNamespace(bf16_to_f32=bf16_to_f32, f32_to_bf16=f32_to_bf16,
                            f16_to_f32=f16_to_f32, f32_to_f16=f32_to_f16,
-                           warp_sum=warp_sum, warp_max=warp_max)
+                           pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2, warp_sum=warp_sum, warp_max=warp_max)

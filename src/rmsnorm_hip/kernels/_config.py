@@ -66,3 +66,10 @@ class FwdSpec:
     weight: str             # weight dtype, or "" for no weight
     vector: bool            # 128-bit accesses (row starts, strides and weight 16-byte aligned)
     store_rstd: bool
+
+
+def fwd_spec(n, dtype, weight, vector, store_rstd):
+    """The forward kernel a call runs (the dispatcher's only decision for the forward)."""
+    layout = row_layout(n, dtype)
+    return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
+                   vector=vector, store_rstd=store_rstd)

@@ -21,11 +21,12 @@ class ChunkIO:
 
 
 def _codec(intr, dtype):
+    """(decode, encode, pack two) of a 16-bit dtype; Nones for float32."""
     if dtype == _dtypes.BFLOAT16:
-        return intr.bf16_to_f32, intr.f32_to_bf16
+        return intr.bf16_to_f32, intr.f32_to_bf16, intr.pack_bf16x2
     if dtype == _dtypes.FLOAT16:
-        return intr.f16_to_f32, intr.f32_to_f16
-    return None, None
+        return intr.f16_to_f32, intr.f32_to_f16, intr.pack_f16x2
+    return None, None, None
 
 
 def _make_chunk_io(intr, dtype, chunk, n, vector):
@@ -33,7 +34,7 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
     itemsize = _dtypes.ITEMSIZE[dtype]
     n_vec = ceil_div(chunk * itemsize, CHUNK_BYTES)      # 128-bit accesses per chunk
     elems_per_vec = CHUNK_BYTES // itemsize
-    decode, encode = _codec(intr, dtype)
+    decode, encode, pack2 = _codec(intr, dtype)
     half = decode is not None
     u32_as_f32, f32_as_u32 = intr.u32_as_f32, intr.f32_as_u32
     load_b128, store_b128 = getattr(intr, "load_b128", None), getattr(intr, "store_b128", None)
@@ -57,7 +58,7 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
 
     @jitable
     def pair(vals, at):
-        return uint32(encode(vals[at])) | (uint32(encode(vals[at + 1])) << uint32(16))
+        return pack2(vals[at], vals[at + 1])
 
     if vector:
         @jitable

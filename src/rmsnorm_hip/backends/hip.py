@@ -1,0 +1,204 @@
+"""AMD backend: kernels compiled by numba-hip to an HSA code object for the device's gfx arch,
+loaded once per device with ``hipModuleLoadData`` and launched with ``hipModuleLaunchKernel`` on the
+caller's current stream, arguments packed by :class:`~._argpack.ArgPack`.  numba-hip's per-call
+dispatcher is never on the launch path.
+
+:func:`compile_code_object` is the same compile for a named arch with no GPU and no HIP runtime
+(``rmsnorm-hip compile``, :mod:`rmsnorm_hip.aot`).
+
+numba-hip 0.2.1 asks the HIP runtime for the current device's arch in a few places even when the
+arch is given explicitly (``Dispatcher.compile_device``, ``_Kernel.__init__``,
+``compile_llvm_ir(amdgpu_arch=None)``); :func:`_targeting` answers those with the requested arch,
+under a lock, and restores the originals.  It uses numba-hip internals (``compile_hip``,
+``prepare_hip_kernel``, ``HIPCodeLibrary.get_codeobj``), hence the exact ``numba-hip==0.2.1`` pin.
+"""
+import re
+import threading
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+from .. import _arrays, intrinsics
+from ._argpack import ArgPack
+from ._gpu import GpuBackend
+
+_compile_lock = threading.RLock()
+_PATCHED_MODULES = ("numba.hip.api", "numba.hip.dispatcher", "numba.hip.compiler")
+
+
+@contextmanager
+def _targeting(arch):
+    """numba-hip's "current device" is a device of arch ``arch`` for the duration of the block."""
+    import importlib
+    modules = [importlib.import_module(m) for m in _PATCHED_MODULES]
+    device = SimpleNamespace(amdgpu_arch=arch)
+    with _compile_lock:
+        originals = [m.get_current_device for m in modules]
+        for m in modules:
+            m.get_current_device = lambda: device
+        try:
+            yield
+        finally:
+            for m, original in zip(modules, originals):
+                m.get_current_device = original
+
+
+def _compile_library(pyfunc, argtypes, arch):
+    """numba-hip's kernel code library of ``pyfunc`` for ``arch`` (typed, lowered, wrapped)."""
+    from ..intrinsics import hip as _  # noqa: F401  (imports numba.hip the way it must be)
+    from numba.core import types
+    from numba.hip import compiler
+
+    options = {"fastmath": False, "opt": 3}
+    with _targeting(arch):
+        cres = compiler.compile_hip(pyfunc, types.void, tuple(argtypes), options=options,
+                                    amdgpu_arch=arch)
+        code = pyfunc.__code__
+        library, _ = cres.target_context.prepare_hip_kernel(
+            cres.library, cres.fndesc, False, False, options, code.co_filename,
+            code.co_firstlineno)
+    return library
+
+
+def compile_code_object(pyfunc, argtypes, arch, listing=True):
+    """Compile a kernel for AMD ``arch`` (e.g. ``"gfx942"``) without a GPU.
+
+    Returns ``(code_object, isa, metadata)``: the HSA code object (ELF bytes, what
+    ``hipModuleLoadData`` takes), the ``-O3`` ISA listing with LLVM's per-kernel resource comments
+    (``""`` when ``listing`` is false) and the code object's ``amdhsa`` metadata (a dict:
+    ``amdhsa.kernels[0]`` has ``.name``, ``.vgpr_count``, ``.sgpr_count``, ``.agpr_count``,
+    ``.vgpr_spill_count``, ``.sgpr_spill_count``, ``.private_segment_fixed_size``,
+    ``.group_segment_fixed_size``, ...).
+
+    The listing is a second code generation from the same linked bitcode with ``-O3``, the options
+    COMGR uses for the code object; numba-hip's own ``inspect_asm`` runs the BC-to-assembly action
+    without ``-O`` and does not describe the code object.
+    """
+    from rocm import comgr
+
+    library = _compile_library(pyfunc, argtypes, arch)
+    with _targeting(arch):
+        code_object = bytes(library.get_codeobj(amdgpu_arch=arch))
+        isa = ""
+        if listing:
+            linked = library.get_linked_llvm_ir(amdgpu_arch=arch, to_bc=True,
+                                                link_in_hipdevicelib=True)
+            isa = comgr.compile_bc_to_hsa(linked, isa_name=f"amdgcn-amd-amdhsa--{arch}",
+                                          extra_opts=["-O3"])[0].decode()
+    metadata = comgr.parse_code_obj_metadata(code_object, len(code_object))
+    return code_object, isa, metadata
+
+
+def kernel_name(metadata):
+    """The entry symbol of the single kernel in a code object's metadata."""
+    kernels = metadata.get("amdhsa.kernels") or []
+    if len(kernels) != 1:
+        raise RuntimeError(f"expected one kernel in the code object, found {len(kernels)}")
+    return kernels[0][".name"]
+
+
+# ---- runtime ---------------------------------------------------------------------------------
+def _hip():
+    from rocm.bindings import hip
+    return hip
+
+
+def _check(result, what):
+    """The value of a hip-python call returning ``(hipError_t, value...)``; raises on an error."""
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        hip = _hip()
+        try:
+            name = hip.hipGetErrorName(err)
+            name = name[1] if isinstance(name, tuple) else name
+            name = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:
+            name = str(int(err))
+        raise RuntimeError(f"{what} failed: {name} ({int(err)})")
+    if isinstance(result, tuple):
+        return result[1] if len(result) == 2 else result[1:]
+    return None
+
+
+def device_arch(device_index):
+    """The gfx arch of HIP device ``device_index`` without target features ("gfx942")."""
+    hip = _hip()
+    props = _check(hip.hipGetDeviceProperties(device_index), "hipGetDeviceProperties")
+    name = props.gcnArchName
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return name.split(":")[0]
+
+
+class HipKernel:
+    def __init__(self, function, argtypes, code_object, metadata, name):
+        self.function = function
+        self.args = ArgPack(argtypes)
+        self.code_object = code_object
+        self.metadata = metadata
+        self.name = name
+
+    def attributes(self):
+        """Resource usage from the code object's metadata (VGPRs, SGPRs, spills, scratch, LDS)."""
+        k = self.metadata["amdhsa.kernels"][0]
+        keys = ("vgpr_count", "agpr_count", "sgpr_count", "vgpr_spill_count", "sgpr_spill_count",
+                "private_segment_fixed_size", "group_segment_fixed_size",
+                "max_flat_workgroup_size")
+        return {key: k.get("." + key) for key in keys}
+
+
+class HipBackend(GpuBackend):
+    name = "hip"
+
+    def __init__(self, device_index):
+        hip = _hip()
+        self._hip = hip
+        _check(hip.hipInit(0), "hipInit")
+        count = _check(hip.hipGetDeviceCount(), "hipGetDeviceCount")
+        if not 0 <= device_index < count:
+            raise RuntimeError(f"HIP device {device_index} does not exist ({count} visible)")
+        self.device_index = device_index
+        self.arch = device_arch(device_index)
+        self.sm_count = _check(hip.hipDeviceGetAttribute(
+            hip.hipDeviceAttribute_t.hipDeviceAttributeMultiprocessorCount, device_index),
+            "hipDeviceGetAttribute")
+        self._launch = hip.hipModuleLaunchKernel
+        super().__init__(intrinsics.load("hip"))
+
+    @contextmanager
+    def current(self):
+        """This device current for the block (HIP's current device is per thread); restored."""
+        hip = self._hip
+        previous = _check(hip.hipGetDevice(), "hipGetDevice")
+        if previous == self.device_index:
+            yield
+            return
+        _check(hip.hipSetDevice(self.device_index), "hipSetDevice")
+        try:
+            yield
+        finally:
+            _check(hip.hipSetDevice(previous), "hipSetDevice")
+
+    def compile(self, pyfunc, argtypes, name):
+        code_object, _, metadata = compile_code_object(pyfunc, argtypes, self.arch,
+                                                       listing=False)
+        entry = kernel_name(metadata)
+        hip = self._hip
+        with self.current():
+            module = _check(hip.hipModuleLoadData(code_object), "hipModuleLoadData")
+            function = _check(hip.hipModuleGetFunction(module, entry.encode()),
+                              "hipModuleGetFunction")
+        kernel = HipKernel(function, argtypes, code_object, metadata, name)
+        kernel.module = module
+        return kernel
+
+    @staticmethod
+    def arg(info, dtype):
+        return info.ptr if info is not None else 0
+
+    def launch(self, kernel, grid, block, args, like):
+        params = kernel.args.pack(args)
+        stream = _arrays.current_stream(like)
+        with self.current():
+            err, = self._launch(kernel.function, grid[0], grid[1], grid[2], block[0], block[1],
+                                block[2], 0, stream, params, None)
+        if int(err) != 0:
+            _check((err,), f"hipModuleLaunchKernel({kernel.name})")

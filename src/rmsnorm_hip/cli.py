@@ -1,0 +1,155 @@
+"""``rmsnorm-hip`` (also ``python -m rmsnorm_hip``): info, check, bench, compile."""
+import argparse
+import importlib.metadata
+import sys
+
+import numpy as np
+
+from . import _dtypes, _numerics, backends
+
+CHECK_SHAPES = ((1, 1), (7, 3), (333, 127), (7, 4097), (33, 5000), (7, 8192), (3, 65537))
+
+
+def _version(pkg):
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def detect():
+    """(backend name, device description) of the best backend on this machine."""
+    forced = backends.requested()
+    if forced in ("cpu", "sim"):
+        return forced, "host"
+    if forced in (None, "cuda"):
+        try:
+            from cuda.bindings import driver
+            if int(driver.cuInit(0)[0]) == 0 and driver.cuDeviceGetCount()[1] > 0:
+                name = driver.cuDeviceGetName(256, driver.cuDeviceGet(0)[1])[1]
+                return "cuda", name.split(b"\0")[0].decode()
+        except Exception:
+            pass
+    if forced in (None, "hip"):
+        try:
+            from hip import hip
+            err, count = hip.hipGetDeviceCount()
+            if int(err) == 0 and count > 0:
+                return "hip", "AMD GPU"
+        except Exception:
+            pass
+    return "cpu", "host"
+
+
+def cmd_info(args):
+    name, device = detect()
+    print(f"backend      {name}")
+    print(f"device       {device}")
+    if name in ("cuda", "hip"):
+        b = backends.get(name, 0)
+        print(f"arch         {b.arch}")
+        print(f"SMs/CUs      {b.sm_count}")
+    for pkg in ("rmsnorm-hip", "numba", "numba-cuda", "numba-hip", "llvmlite", "numpy",
+                "ml_dtypes", "cuda-bindings", "cupy-cuda13x", "cupy-cuda12x", "torch"):
+        v = _version(pkg)
+        if v:
+            print(f"{pkg:12s} {v}")
+    return 0
+
+
+def _device_arrays():
+    """(to_device(np_array, dtype) -> (array, dtype kw), to_host, library) for a GPU check."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            raise ImportError
+
+        def to_device(a, dtype):
+            raw = np.ascontiguousarray(a)
+            if dtype == _dtypes.BFLOAT16:
+                return torch.from_numpy(raw.view(np.int16)).cuda().view(torch.bfloat16), None
+            return torch.from_numpy(raw).cuda(), None
+
+        def to_host(t, dtype):
+            if dtype == _dtypes.BFLOAT16:
+                return t.view(torch.int16).cpu().numpy().view(_dtypes.NUMPY[dtype])
+            return t.cpu().numpy()
+        return to_device, to_host, "torch"
+    except ImportError:
+        import cupy
+
+        def to_device(a, dtype):
+            kw = dtype if dtype in _dtypes.HALF_DTYPES else None
+            return cupy.asarray(np.ascontiguousarray(a).view(_dtypes.STORAGE[dtype])), kw
+
+        def to_host(c, dtype):
+            return cupy.asnumpy(c).view(_dtypes.NUMPY[dtype])
+        return to_device, to_host, "cupy"
+
+
+def cmd_check(args):
+    from . import functional, reference
+    name, device = detect()
+    rng = np.random.default_rng(args.seed)
+    if name in ("cuda", "hip"):
+        to_device, to_host, lib = _device_arrays()
+    else:
+        lib = "numpy"
+        to_device = lambda a, dtype: (a, None)  # noqa: E731
+        to_host = lambda a, dtype: np.asarray(a)  # noqa: E731
+    print(f"rmsnorm-hip check on {name} ({device}), arrays: {lib}")
+    print(f"{'op':10s} {'dtype':9s} {'weight':9s} {'shape':>12s}  {'rel err':>9s} {'max ulp':>8s}  result")
+    failures = 0
+    for dtype in _dtypes.ACTIVATION_DTYPES:
+        for m, n in CHECK_SHAPES:
+            for wdtype in ([None, dtype] + ([_dtypes.FLOAT32] if dtype != _dtypes.FLOAT32 else [])):
+                x = rng.standard_normal((m, n)).astype(_dtypes.NUMPY[dtype])
+                w = None if wdtype is None else (1 + 0.1 * rng.standard_normal(n)).astype(
+                    _dtypes.NUMPY[wdtype])
+                xd, kw = to_device(x, dtype)
+                wd = None if w is None else to_device(w, wdtype)[0]
+                y, rstd = functional.rms_norm(xd, wd, 1e-6, return_rstd=True, dtype=kw)
+                y_ref, rstd_ref = reference.rms_norm_ref(x, w, 1e-6)
+                ok, rel, ulps = _numerics.within_contract(to_host(y, dtype), y_ref, dtype)
+                ok_r, rel_r, _ = _numerics.within_contract(to_host(rstd, "float32"), rstd_ref,
+                                                          _dtypes.FLOAT32)
+                ok = ok and ok_r
+                failures += not ok
+                if not ok or args.verbose:
+                    print(f"{'fwd':10s} {dtype:9s} {str(wdtype):9s} {f'{m}x{n}':>12s}  {rel:9.2e} "
+                          f"{ulps:8.2f}  {'ok' if ok else 'FAIL'}")
+        print(f"{'fwd':10s} {dtype:9s} {'all':9s} {len(CHECK_SHAPES):>5d} shapes  "
+              f"{'':9s} {'':8s}  {'ok' if not failures else 'FAIL'}")
+    print("PASS" if not failures else f"FAIL: {failures} case(s)")
+    return 1 if failures else 0
+
+
+def cmd_bench(args):
+    from ._bench import runner
+    return runner.main(args.rest)
+
+
+def cmd_compile(args):
+    from . import aot
+    return aot.main(args.rest)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="rmsnorm-hip", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="backend, device, arch and versions").set_defaults(fn=cmd_info)
+    p = sub.add_parser("check", help="every entry point vs the float64 reference")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(fn=cmd_check)
+    for name, fn, text in (("bench", cmd_bench, "device time, GB/s and %% of copy vs peers"),
+                           ("compile", cmd_compile, "ahead-of-time compile every kernel variant")):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""numba-hip intrinsics (AMD gfx942 / gfx950): 64-lane wavefronts, HIP ``__shfl_xor`` with an
+explicit width.
+
+numba-hip 0.2.1 differs from numba-cuda in ways that stay in this file:
+
+- its shuffles have HIP signatures, ``shfl_xor(var, int32 lane_mask, int32 width)``, with no
+  ``*_sync`` forms and no default width: the width is always the full wavefront here;
+- ``hip.atomic.add(array, idx, value)`` does not type, so the float atomic is the shared
+  ``atomicrmw fadd`` intrinsic of ``_llvm`` (its ``amdgpu.no.fine.grained.memory`` metadata gives a
+  native ``global_atomic_add_f32`` on gfx942/gfx950 instead of a compare-and-swap loop);
+- it has no half types, so 16-bit floats are ``uint16`` bits decoded by ``_shared``.
+
+Device helpers use numba's ``register_jitable``: the ``hip`` target is a ``GPU`` target, so
+generic overloads resolve under it as under numba-cuda.
+"""
+from types import SimpleNamespace
+
+import rocm.bindings.clang.cindex as _cindex
+
+# numba-hip parses the HIP device header at import with the cindex binding of the AMD LLVM it
+# bundles; a libclang of another major version (ROCm's, or Debian's in the compile-only chroot)
+# lacks a few symbols that binding registers and fails its check.  Must precede numba.hip.
+_cindex.Config.compatibility_check = False
+
+from numba import hip, int32  # noqa: E402
+from numba.core.extending import register_jitable  # noqa: E402
+from numba.hip.extending import intrinsic  # noqa: E402
+
+from . import _llvm, _shared  # noqa: E402
+
+WARP = 64
+
+
+@register_jitable
+def _shfl_xor(value, offset):
+    return hip.shfl_xor(value, int32(offset), int32(WARP))
+
+
+def build():
+    compiled = _llvm.define(intrinsic)
+    shared = _shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
+                           _shfl_xor)
+    return SimpleNamespace(name="hip", warp=WARP, gpu=hip, jitable=register_jitable,
+                           **compiled, **vars(shared))

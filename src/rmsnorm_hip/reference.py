@@ -1,0 +1,29 @@
+"""float64 NumPy references for API.md's numerical contract.
+
+Each ``<op>_ref`` takes the same (already rounded) arrays the kernels see — NumPy float32,
+float16, ``ml_dtypes.bfloat16``, or CPU torch tensors — upcasts them exactly to float64 and returns
+float64 results, never rounded to the output dtype: tests measure the kernels' one rounding against
+them.  Per-row statistics come back flattened to ``(M,)`` like the kernels'.  New ops go here as
+further ``<op>_ref`` functions built from :func:`to_float64` and :func:`rms_norm_ref`.
+"""
+import numpy as np
+
+
+def to_float64(a):
+    """``a`` upcast exactly to a float64 ndarray (``None`` stays ``None``)."""
+    if a is None:
+        return None
+    if type(a).__module__.split(".")[0] == "torch":
+        a = a.detach().cpu().float().numpy()  # bf16/f16 -> f32 is exact
+    return np.asarray(a).astype(np.float64)
+
+
+def rms_norm_ref(x, weight=None, eps=1e-6, weight_offset=0.0):
+    """``(y, rstd)``: ``rstd = 1 / sqrt(mean(x**2) + eps)`` per row, shape (M,);
+    ``y = x * rstd * (weight + weight_offset)``, shape of x (``weight=None``: no scaling)."""
+    x64 = to_float64(x)
+    rstd = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    y = x64 * rstd
+    if weight is not None:
+        y = y * (to_float64(weight) + weight_offset)
+    return y, rstd.reshape(-1)
