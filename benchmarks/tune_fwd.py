@@ -69,7 +69,7 @@ def sweep(out):
             t_torch = device_us(lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6))
             row = dict(m=m, n=n, dtype=str(dtype), torch_us=t_torch, variants=[])
             seen = set()
-            for cpt in (1, 2, 4):
+            for cpt in (1, 2, 3, 4):
                 for block in (128, 256, 512):
                     _config.CHUNKS_PER_THREAD, _config.BLOCK_THREADS = cpt, block
                     reset_plans()

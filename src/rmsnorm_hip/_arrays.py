@@ -264,3 +264,69 @@ def _contiguous(shape):
         strides.append(step)
         step *= d
     return tuple(reversed(strides))
+
+
+# ---- the repeat-call fast path ------------------------------------------------------------------
+# A call's validation and kernel choice depend on its arrays' metadata only, so they are done once
+# per signature (functional.py caches a plan under it); a repeat call then only reads pointers,
+# allocates its outputs and launches.  Only torch and CuPy device arrays have a cheap signature.
+
+class _TorchFast:
+    @staticmethod
+    def signature(t):
+        return ("torch", t.dtype, t.shape, t.stride(), t.get_device())
+
+    @staticmethod
+    def ptr(t):
+        return t.data_ptr()
+
+    @staticmethod
+    def allocator(like, shape, dtype):
+        torch = _torch()
+        tdtype, device = getattr(torch, dtype), like.obj.device
+        return lambda: torch.empty(shape, dtype=tdtype, device=device)
+
+    @staticmethod
+    def stream(device_index):
+        return _torch()._C._cuda_getCurrentRawStream(device_index)
+
+
+class _CupyFast:
+    @staticmethod
+    def signature(a):
+        return ("cupy", a.dtype, a.shape, a.strides, a.device.id)
+
+    @staticmethod
+    def ptr(a):
+        return a.data.ptr
+
+    @staticmethod
+    def allocator(like, shape, dtype):
+        cupy = _cupy()
+        storage, device = _dtypes.STORAGE[dtype], cupy.cuda.Device(like.device_index)
+
+        def allocate():
+            with device:
+                return cupy.empty(shape, storage)
+        return allocate
+
+    @staticmethod
+    def stream(device_index):
+        return _cupy().cuda.get_current_stream().ptr
+
+
+def fast_adapter(obj):
+    """The fast-path adapter of a torch / CuPy *device* array, else None."""
+    torch = _torch()
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _TorchFast if obj.is_cuda else None
+    cupy = _cupy()
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        return _CupyFast
+    return None
+
+
+def signature_of(obj):
+    """Fast-path signature of a parameter array (weight): its adapter's, or its identity class."""
+    adapter = fast_adapter(obj)
+    return adapter.signature(obj) if adapter is not None else (type(obj), id(obj))

@@ -5,6 +5,9 @@ from .. import _cache, _dtypes, intrinsics
 from ..kernels import cpu_rmsnorm
 
 
+PARALLEL_MIN_ELEMENTS = 1 << 16
+
+
 def rows_view(info, m, n, row_stride):
     """(m, n) view of host memory with the given row stride (elements)."""
     host = info.host
@@ -31,7 +34,8 @@ class CpuBackend:
 
     def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset):
         wdtype = weight.dtype if weight is not None else ""
-        fwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_fwd, x.dtype, wdtype)
+        fwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_fwd, x.dtype, wdtype,
+                           m > 1 and m * n >= PARALLEL_MIN_ELEMENTS)
         fwd(rows_view(x, m, n, x_stride),
             weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
             rows_view(y, m, n, y_stride),

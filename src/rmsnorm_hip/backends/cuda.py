@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 from .. import _compat  # noqa: F401
-from .. import _arrays, intrinsics
+from .. import intrinsics
 from ._argpack import ArgPack
 from ._gpu import GpuBackend
 
@@ -114,9 +114,8 @@ class CudaBackend(GpuBackend):
     def arg(info, dtype):
         return info.ptr if info is not None else 0
 
-    def launch(self, kernel, grid, block, args, like):
+    def launch(self, kernel, grid, block, args, stream):
         params = kernel.args.pack(args)
-        stream = _arrays.current_stream(like)
         err, = self._launch(kernel.function, grid[0], grid[1], grid[2], block[0], block[1],
                             block[2], 0, stream, params, 0)
         if err != self._success:

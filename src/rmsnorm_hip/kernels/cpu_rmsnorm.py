@@ -61,15 +61,16 @@ def make_row_sumsq(intr, dtype):
     return row_sumsq
 
 
-def make_cpu_rmsnorm_fwd(intr, dtype, weight_dtype):
+def make_cpu_rmsnorm_fwd(intr, dtype, weight_dtype, parallel):
     """fwd(x (M, N), weight (N,), y (M, N), rstd (M,), eps, weight_offset, store_rstd) in storage
-    dtypes; rows may be strided."""
+    dtypes; rows may be strided.  ``parallel`` spreads rows over cores (worth it past ~64K
+    elements: waking the thread pool costs milliseconds on small inputs)."""
     decode, encode = _decoder(intr, dtype), _encoder(intr, dtype)
     decode_w = _decoder(intr, weight_dtype or _dtypes.FLOAT32)
     has_weight = bool(weight_dtype)
     row_sumsq = make_row_sumsq(intr, dtype)
 
-    @numba.njit(parallel=True, nogil=True, cache=False)
+    @numba.njit(parallel=parallel, nogil=True)
     def rmsnorm_fwd(x, weight, y, rstd, eps, weight_offset, store_rstd):
         m, n = x.shape
         for i in prange(m):

@@ -1,0 +1,286 @@
+"""Runs one op over a list of cases for every implementation, side by side in one process.
+
+For each case (M, N, dtype): draw random inputs, compute the float64 reference, then for each
+implementation check the error against the op's tolerance and, if it passes, time it. A missing
+or failing implementation gets a record with its error; the run goes on. Then the host overhead
+at small M. See the package docstring (rmsnorm_hip._bench) for the API and the output.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+from . import ops, table, targets
+
+# The H200 forward cases of research/peers-h200.md: large, mid and small row counts, one N that is
+# no power of two, and float32.
+CUDA_CASES = (
+    (32768, 4096, "bfloat16"),
+    (16384, 8192, "bfloat16"),
+    (8192, 8192, "bfloat16"),
+    (4096, 4096, "bfloat16"),
+    (1024, 8192, "bfloat16"),
+    (4096, 5000, "bfloat16"),
+    (4096, 4096, "float32"),
+)
+# Smaller on the CPU, where a call takes milliseconds.
+CPU_CASES = (
+    (4096, 4096, "bfloat16"),
+    (1024, 4096, "bfloat16"),
+    (256, 8192, "bfloat16"),
+    (1000, 5000, "bfloat16"),
+    (1024, 4096, "float32"),
+)
+# Host overhead: decode-sized batches, where launch cost decides.
+HOST_CASES = ((1, 4096, "bfloat16"), (32, 4096, "bfloat16"))
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                 "float": "float32", **{name: name for name in targets.DTYPE_NAMES}}
+
+
+def run(op="fwd", shapes=None, dtypes=None, json_path=None, plot_path=None, compare=True,
+        progress=True, *, device="auto", iters=20, flush="write", host_overhead=True, seed=0,
+        print_table=True):
+    """Benchmarks `op`; returns the result dict (see the package docstring)."""
+    if op not in ops.OPS:
+        raise ValueError(f"run: op must be one of {sorted(ops.OPS)}, got {op!r}")
+    spec = ops.OPS[op]
+    target = targets.make_target(device, flush_mode=flush, iters=iters)
+    cases = _cases(target.name, shapes, dtypes)
+    host_cases = HOST_CASES if host_overhead else ()
+    impls = _implementations(spec, target.name, compare)
+    result = {
+        "schema": 1,
+        "op": op,
+        "target": target.name,
+        "environment": target.environment(),
+        "method": {
+            "summary": spec.summary,
+            "bytes_formula": spec.bytes_formula,
+            "timer": target.timer,
+            "iters": iters if target.name == "cuda" else None,
+            "l2_flush": f"{flush}, 256 MB" if target.name == "cuda" else None,
+            "tolerance": dict(spec.tolerance),
+            "seed": seed,
+        },
+        "copy": target.copy_bandwidth(),
+        "records": [],
+        "host_overhead": [],
+    }
+    copy_gbps = result["copy"]["gbps"]
+    bar = _Progress(len(cases) + len(host_cases), progress)
+    try:
+        for index, case in enumerate(cases + host_cases):
+            is_host_case = index >= len(cases)
+            records = _run_case(spec, target, impls, case, seed + 100 * index, is_host_case, copy_gbps)
+            result["host_overhead" if is_host_case else "records"].extend(records)
+            if json_path:
+                _write_json(result, json_path)
+            bar.step(_summary(op, case, records, is_host_case))
+    except KeyboardInterrupt:  # also `timeout --signal=INT`: keep and report what was measured
+        result["interrupted"] = True
+        print("interrupted: the results below are partial", file=sys.stderr, flush=True)
+    finally:
+        bar.close()
+    if json_path:
+        _write_json(result, json_path)
+    if print_table:
+        print(table.text_report(result), flush=True)
+    if plot_path:
+        try:
+            table.plot(result, plot_path)
+        except ImportError as error:
+            print(f"no plot: {error}", file=sys.stderr)
+    return result
+
+
+def _run_case(spec, target, impls, case, seed, is_host_case, copy_gbps):
+    """One record per implementation for one (M, N, dtype), all on the same inputs."""
+    M, N, dtype = case
+    args = spec.make_inputs(target, M, N, dtype, seed)
+    reference = spec.reference(target, *args)
+    nbytes = spec.bytes_moved(M, N, target.itemsize(dtype))
+    records = []
+    for name, impl in impls.items():
+        record = {"op": spec.name, "M": M, "N": N, "dtype": dtype, "impl": name, "bytes": nbytes}
+        record.update(_measure(spec, target, impl, args, reference, dtype, is_host_case))
+        if record["ok"] and not is_host_case:
+            record["gbps"] = nbytes / record["us"] / 1e3  # bytes per us -> GB/s
+            record["pct_copy"] = 100 * record["gbps"] / copy_gbps
+        records.append(record)
+    del args, reference
+    target.free_memory()
+    return records
+
+
+def _cases(target_name, shapes, dtypes):
+    """The (M, N, dtype) cases: the target's defaults, or shapes x dtypes."""
+    defaults = CUDA_CASES if target_name == "cuda" else CPU_CASES
+    if shapes is None and dtypes is None:
+        return tuple(defaults)
+    if shapes is None:
+        shapes = list(dict.fromkeys((M, N) for M, N, _ in defaults))
+    dtypes = [_dtype_name(d) for d in (dtypes or ["bfloat16"])]
+    return tuple((M, N, dtype) for M, N in map(_shape, shapes) for dtype in dtypes)
+
+
+def _shape(shape):
+    if isinstance(shape, str):
+        parts = shape.lower().split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"run: a shape is 'MxN' (as 4096x4096), got {shape!r}")
+        shape = tuple(int(p) for p in parts)
+    M, N = shape
+    if M < 1 or N < 1:
+        raise ValueError(f"run: shape dimensions must be positive, got {shape!r}")
+    return int(M), int(N)
+
+
+def _dtype_name(dtype):
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ALIASES:
+        raise ValueError(f"run: dtype must be one of {sorted(DTYPE_ALIASES)}, got {dtype!r}")
+    return DTYPE_ALIASES[name]
+
+
+def _implementations(spec, target_name, compare):
+    """{name: callable, or the exception its factory raised}: ours first, then the chosen peers."""
+    factories = dict(spec.ours.get(target_name, {}))
+    factories.update(_chosen_peers(spec.peers.get(target_name, {}), compare))
+    impls = {}
+    for name, factory in factories.items():
+        try:
+            impls[name] = factory()
+        except Exception as error:  # a peer that does not import is recorded, not fatal
+            impls[name] = error
+    return impls
+
+
+def _chosen_peers(available, compare):
+    if compare is True or compare == "all":
+        return dict(available)
+    if compare is False or compare is None or compare == "none":
+        return {}
+    wanted = compare.split(",") if isinstance(compare, str) else list(compare)
+    chosen = set()
+    for want in wanted:
+        # "torch" selects torch and torch_compile: the API's `--compare torch`.
+        matches = {name for name in available if name == want or name.startswith(want + "_")}
+        if not matches:
+            raise ValueError(f"run: compare: no peer named {want!r}; available: {list(available)}")
+        chosen |= matches
+    return {name: factory for name, factory in available.items() if name in chosen}
+
+
+def _measure(spec, target, impl, args, reference, dtype, is_host_case):
+    """Checks impl against the reference, then times it: the record's status fields and timings."""
+    if isinstance(impl, Exception):
+        return _status("unavailable", _describe(impl))
+    measured = {}
+    try:
+        rel_err = spec.max_rel_err(target, impl(*args), reference)
+        measured["rel_err"] = rel_err if math.isfinite(rel_err) else None
+        if not spec.passes(dtype, rel_err):
+            error = f"check failed: rel err {rel_err:.3g}, tolerance {spec.tolerance[dtype]:g}"
+            return {**_status("failed", error), **measured}
+        call = lambda: impl(*args)  # noqa: E731
+        measured.update(target.host_time(call) if is_host_case else target.time(call))
+        if not measured.get("us", 1.0) > 0:  # host records on the CPU have no device time
+            return {**_status("failed", "no GPU activity recorded"), **measured}
+        return {**_status("ok"), **measured}
+    except Exception as error:  # a peer that breaks on one case must not stop the run
+        return {**_status("failed", _describe(error)), **measured}
+
+
+def _status(status, error=None):
+    return {"ok": status == "ok", "status": status, "error": error}
+
+
+def _describe(error, limit=300):
+    text = f"{type(error).__name__}: {error}".replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _summary(op, case, records, is_host_case):
+    M, N, dtype = case
+    field, unit = ("host_us", "host us") if is_host_case else ("gbps", "GB/s")
+    cells = [f"{r['impl']} {r[field]:.0f}" if r["ok"] else f"{r['impl']} {r['status']}"
+             for r in records]
+    return f"{op} {M}x{N} {targets.SHORT_DTYPE[dtype]}: {', '.join(cells)} {unit}"
+
+
+def _write_json(result, path):
+    """Atomic rewrite, so a run cut short leaves the last complete case on disk."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(partial, path)
+
+
+class _Progress:
+    """tqdm bar on a terminal; one printed line per case otherwise (logs, the device's output tail),
+    since a redrawn bar turns into noise in a file."""
+
+    def __init__(self, total, enabled):
+        self._total, self._done, self._enabled, self._bar = total, 0, enabled, None
+        if enabled and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, unit="case", leave=False)
+            except ImportError:
+                pass
+
+    def step(self, message):
+        self._done += 1
+        if self._bar is not None:
+            self._bar.write(message)
+            self._bar.update()
+        elif self._enabled:
+            print(f"[{self._done}/{self._total}] {message}", flush=True)
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+
+
+def main(argv=None):
+    """Command line: `rmsnorm-hip bench ...` or `python -m rmsnorm_hip._bench ...`.
+
+    Exit status 1 when our array API ("ours") is missing or fails a check, else 0.
+    """
+    parser = argparse.ArgumentParser(
+        prog="rmsnorm-hip bench",
+        description="Device time per call, GB/s and % of the measured copy bandwidth, "
+                    "side by side with the peers found installed.")
+    parser.add_argument("--op", default="fwd", choices=sorted(ops.OPS))
+    parser.add_argument("--shapes", nargs="+", metavar="MxN",
+                        help="shapes as MxN, space or comma separated (default: the target's cases)")
+    parser.add_argument("--dtypes", nargs="+", metavar="DTYPE",
+                        help="bf16, fp16, fp32 (default: bf16, or the default cases)")
+    parser.add_argument("--compare", default="all", metavar="PEERS",
+                        help="'all' (default), 'none', or peer names, comma separated "
+                             "('torch' selects torch and torch_compile)")
+    parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the results here")
+    parser.add_argument("--plot", dest="plot_path", metavar="FILE", help="write a GB/s plot (PNG)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--iters", type=int, default=20, help="profiled calls per timing (CUDA)")
+    parser.add_argument("--flush", default="write", choices=("write", "read"),
+                        help="L2 flush kernel: 'write' (add, as research/peers-h200.md) or 'read'")
+    parser.add_argument("--no-host", dest="host_overhead", action="store_false",
+                        help="skip the small-M host-overhead cases")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    args = parser.parse_args(argv)
+
+    def split(values):
+        return None if values is None else [v for value in values for v in value.split(",") if v]
+
+    result = run(op=args.op, shapes=split(args.shapes), dtypes=split(args.dtypes),
+                 json_path=args.json_path, plot_path=args.plot_path, compare=args.compare,
+                 progress=args.progress, device=args.device, iters=args.iters, flush=args.flush,
+                 host_overhead=args.host_overhead, seed=args.seed)
+    ours = [r for r in result["records"] + result["host_overhead"] if r["impl"] == "ours"]
+    return 0 if ours and all(r["ok"] for r in ours) else 1

@@ -1,0 +1,173 @@
+"""Result tables (plain text for the terminal, markdown for the README) and the GB/s plot.
+
+All of them read the result dict that runner.run returns (and writes as JSON), so
+benchmarks/make_table.py can rebuild the README's tables from saved runs.
+"""
+from .targets import SHORT_DTYPE
+
+LABELS = {
+    "ours": "rmsnorm_hip",
+    "ours_torch": "rmsnorm_hip.torch",
+    "torch": "torch eager",
+    "torch_compile": "torch.compile",
+    "liger": "Liger",
+    "quack": "QuACK",
+    "numpy": "NumPy",
+}
+
+
+def _case_key(record):
+    return record["M"], record["N"], record["dtype"]
+
+
+def _case_label(key):
+    M, N, dtype = key
+    return f"{M}x{N}", SHORT_DTYPE.get(dtype, dtype)
+
+
+def _grid(records):
+    """(case keys in run order, implementation names in run order, {(case, impl): record})."""
+    cases, impls, cells = {}, {}, {}
+    for record in records:
+        key = _case_key(record)
+        cases.setdefault(key, None)
+        impls.setdefault(record["impl"], None)
+        cells[key, record["impl"]] = record
+    return list(cases), list(impls), cells
+
+
+def _cell(record, format_ok):
+    """'–' for a missing implementation, 'fail' for a failed check or call, else format_ok(record)."""
+    if record is None or record["status"] == "unavailable":
+        return "–"
+    return format_ok(record) if record["ok"] else "fail"
+
+
+def _num(value):
+    """Three significant digits, without an exponent for the GB/s and us of a GPU (4072, 29.6)."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _bandwidth_cell(record):
+    return _cell(record, lambda r: f"{_num(r['gbps'])} ({r['pct_copy']:.0f})")
+
+
+def _time_cell(record):
+    def format_ok(r):
+        return _num(r["us"]) + (f"/{_num(r['event_us'])}" if "event_us" in r else "")
+
+    return _cell(record, format_ok)
+
+
+def _host_cell(record):
+    # CPU host records have no separate device time
+    return _cell(record, lambda r: _num(r["host_us"]) + (f" / {_num(r['us'])}" if "us" in r else ""))
+
+
+def _host_rows(host_records):
+    cases, impls, cells = _grid(host_records)
+    header = ["impl"] + [f"M={M} N={N} {SHORT_DTYPE.get(d, d)}" for M, N, d in cases]
+    rows = [[impl] + [_host_cell(cells.get((case, impl))) for case in cases] for impl in impls]
+    return header, rows
+
+
+def _text_table(header, rows):
+    widths = [max(len(str(row[i])) for row in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip()
+             for row in [header] + rows]
+    return "\n".join(lines)
+
+
+def _markdown_table(header, rows, right_from=1):
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in [header, align] + rows)
+
+
+def _errors(records):
+    """One line per (implementation, error), naming the cases it happened in."""
+    grouped = {}
+    for record in records:
+        if not record["ok"]:
+            grouped.setdefault((record["impl"], record["error"]), []).append(
+                " ".join(_case_label(_case_key(record))))
+    return [f"  {impl}: {error}  [{', '.join(cases)}]" for (impl, error), cases in grouped.items()]
+
+
+def title(result):
+    env, method = result["environment"], result["method"]
+    timer = ("device time (CUPTI sum of kernels), L2 flushed before each call "
+             f"({method.get('l2_flush')})" if result["target"] == "cuda" else "median wall-clock time")
+    partial = " PARTIAL (interrupted)" if result.get("interrupted") else ""
+    return (f"rmsnorm_hip bench {result['op']}{partial} on {env.get('device')} ({result['target']}), "
+            f"{env.get('date', '')[:10]}: {timer}; GB/s over {method['bytes_formula']}; "
+            f"(%) of the measured copy bandwidth, {result['copy']['gbps']:.0f} GB/s")
+
+
+def text_report(result):
+    """The compact summary printed at the end of a run (the device tool returns only the tail)."""
+    cases, impls, cells = _grid(result["records"])
+    labels = [_case_label(case) for case in cases]
+    parts = [title(result), ""]
+    parts.append(_text_table(["shape", "dtype"] + impls,
+                             [[*label] + [_bandwidth_cell(cells.get((case, impl))) for impl in impls]
+                              for case, label in zip(cases, labels)]))
+    parts += ["", "us per call" + (" (device / CUDA events)" if result["target"] == "cuda" else "")]
+    parts.append(_text_table(["shape", "dtype"] + impls,
+                             [[*label] + [_time_cell(cells.get((case, impl))) for impl in impls]
+                              for case, label in zip(cases, labels)]))
+    if result["host_overhead"]:
+        parts += ["", "host us per call, 1000 calls + 1 sync (median of 3)"
+                  + (" / device us" if result["target"] == "cuda" else "")]
+        parts.append(_text_table(*_host_rows(result["host_overhead"])))
+    errors = _errors(result["records"] + result["host_overhead"])
+    if errors:
+        parts += ["", "errors:"] + errors
+    return "\n".join(parts)
+
+
+def markdown(result):
+    """Markdown for the README: the GB/s table, then the host-overhead table."""
+    cases, impls, cells = _grid(result["records"])
+    header = ["shape", "dtype"] + [LABELS.get(impl, impl) for impl in impls]
+    rows = [[*_case_label(case)] + [_bandwidth_cell(cells.get((case, impl))) for impl in impls]
+            for case in cases]
+    parts = [title(result) + ".", "", _markdown_table(header, rows, right_from=2)]
+    if result["host_overhead"]:
+        header, rows = _host_rows(result["host_overhead"])
+        rows = [[LABELS.get(row[0], row[0])] + row[1:] for row in rows]
+        device = " / device time per call, us" if result["target"] == "cuda" else ""
+        parts += ["", f"Host wall time per call, us (1000 calls + one sync, median of 3 runs){device}:",
+                  "", _markdown_table(header, rows)]
+    versions = result["environment"].get("versions", {})
+    if versions:
+        parts += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) + "."]
+    return "\n".join(parts)
+
+
+def plot(result, path):
+    """Grouped bars of GB/s per case and implementation, the copy bandwidth as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases, impls, cells = _grid(result["records"])
+    impls = [impl for impl in impls if any(cells[case, impl]["ok"] for case in cases
+                                           if (case, impl) in cells)]
+    width = 0.8 / max(len(impls), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cases)), 4.5))
+    for i, impl in enumerate(impls):
+        values = [cells[case, impl]["gbps"] if cells.get((case, impl), {}).get("ok") else 0.0
+                  for case in cases]  # a failed or missing case is an empty slot
+        ax.bar([c + (i - (len(impls) - 1) / 2) * width for c in range(len(cases))], values,
+               width, label=LABELS.get(impl, impl))
+    ax.axhline(result["copy"]["gbps"], color="black", linestyle="--", linewidth=1,
+               label=f"copy {result['copy']['gbps']:.0f} GB/s")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(["\n".join(_case_label(case)) for case in cases])
+    ax.set_ylabel("GB/s (minimal bytes)")
+    ax.set_title(f"rms_norm {result['op']}, {result['environment'].get('device')}", fontsize=10)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,198 @@
+"""Timers: device time through CUPTI, CUDA events, host wall clock, copy bandwidth.
+
+Device time per call (`cuda_device_time`) is the sum of the durations of the GPU activities
+(kernels, memsets, memcpys) that one call issues, read through torch.profiler (CUPTI), with the
+L2 cache flushed before every call. Unlike a host clock or events around a region it does not
+grow when the host path of a call is slower than its kernels, so it is what the call costs inside
+a CUDA graph or a busy stream (less the gaps between its own kernels). Host overhead is measured
+separately (`host_time`).
+
+torch is imported inside the CUDA functions only, so the CPU mode runs without it.
+"""
+import statistics
+import time
+
+FLUSH_BYTES = 256 * 1024**2  # > 4x the H200's 60 MB L2, so every call starts with a cold cache
+COPY_BYTES = 2 * 1024**3  # 2 GiB read + 2 GiB written: about 1 ms on an H200, far above launch cost
+
+
+class L2Flush:
+    """Evicts the L2 cache with one kernel over a 256 MB buffer; `kernel_names` tells it apart.
+
+    mode "write" (`buf.add_(1)`) is the flush the peer numbers in research/peers-h200.md were
+    measured with; it leaves the L2 full of dirty lines that the timed kernel must write back
+    (worth up to ~10% of copy bandwidth at 4096x4096, research/numba-probe/BACKWARD.md).
+    mode "read" (`buf.sum()`) leaves clean lines and measures the kernel alone.
+    """
+
+    def __init__(self, mode="write"):
+        import torch
+
+        if mode not in ("write", "read"):
+            raise ValueError(f"L2Flush: mode must be 'write' or 'read', got {mode!r}")
+        self.mode = mode
+        self._buf = torch.randint(0, 255, (FLUSH_BYTES,), dtype=torch.uint8, device="cuda")
+        self()
+        torch.cuda.synchronize()
+        self.kernel_names = {name for name, _, _ in _profile_activities(None, self, 3)}
+        if not self.kernel_names:
+            raise RuntimeError("L2Flush: the profiler saw no GPU activity (is CUPTI working?)")
+
+    def __call__(self):
+        if self.mode == "write":
+            self._buf.add_(1)
+        else:
+            self._buf.sum()
+
+
+def _profile_activities(fn, flush, iters):
+    """[(name, start_us, duration_us)] of the GPU activities of `iters` x (flush; fn), by start."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush()
+            if fn is not None:
+                fn()
+        torch.cuda.synchronize()
+    activities = []
+    for event in prof.events():
+        if "CUDA" not in str(getattr(event, "device_type", "")):
+            continue  # host-side record (an op, a cudaLaunchKernel call)
+        activities.append((event.name, event.time_range.start, event.time_range.elapsed_us()))
+    activities.sort(key=lambda a: a[1])
+    return activities
+
+
+def _split_calls(activities, flush_names):
+    """Groups activities into calls: everything between two flushes belongs to one call."""
+    calls = []
+    after_flush = False
+    for name, _, us in activities:
+        if name in flush_names:
+            if not after_flush:
+                calls.append([])
+            after_flush = True
+        else:
+            after_flush = False
+            if calls:
+                calls[-1].append((name, us))
+    return calls
+
+
+def cuda_device_time(fn, flush, iters=20):
+    """Device time of one call of fn, L2 flushed before each: a dict.
+
+    us: median over calls of the summed durations of the call's GPU activities;
+    us_min, us_max: their spread; kernels_per_call; kernels: {name: us per call}.
+    """
+    calls = _split_calls(_profile_activities(fn, flush, iters), flush.kernel_names)
+    if len(calls) != iters:
+        raise RuntimeError(f"cuda_device_time: expected {iters} flushes in the trace, saw {len(calls)}")
+    per_call = [sum(us for _, us in call) for call in calls]
+    kernels = {}
+    for call in calls:
+        for name, us in call:
+            short = name if len(name) <= 120 else name[:117] + "..."
+            kernels[short] = kernels.get(short, 0.0) + us / iters
+    return {
+        "us": statistics.median(per_call),
+        "us_min": min(per_call),
+        "us_max": max(per_call),
+        "kernels_per_call": sum(len(call) for call in calls) / iters,
+        "kernels": kernels,
+    }
+
+
+def cuda_event_time(fn, flush, iters=20):
+    """Cross-check: median of CUDA events recorded around each call, L2 flushed before each.
+
+    Equals the device time when the flush (~120 us) gives the host enough head start; larger when
+    the call's host path is slower than that, or when its kernels leave gaps between them.
+    """
+    import torch
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    torch.cuda.synchronize()
+    for start, end in zip(starts, ends):
+        flush()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return {"event_us": statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))}
+
+
+def host_time(fn, sync, calls=1000, repeats=3):
+    """Wall-clock microseconds per call for `calls` back-to-back calls and one sync at the end.
+
+    The median of `repeats` runs; host timings on virtual machines move 20-50% between runs,
+    so compare implementations measured in the same process.
+    """
+    fn()
+    sync()
+    runs = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        runs.append((time.perf_counter() - start) / calls * 1e6)
+    return {"host_us": statistics.median(runs), "host_us_runs": runs}
+
+
+def wall_time(fn, min_calls=5, max_calls=200, budget_s=1.0):
+    """CPU mode: median wall-clock microseconds of single calls, within a time budget."""
+    fn()
+    samples = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < max_calls and (len(samples) < min_calls or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return {"us": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
+
+
+def _copy_result(seconds_per_copy, nbytes):
+    gbps = [2 * nbytes / s / 1e9 for s in seconds_per_copy]  # bytes read + bytes written
+    return {"gbps": statistics.median(gbps), "gbps_max": max(gbps), "bytes_moved": 2 * nbytes}
+
+
+def cuda_copy_bandwidth(nbytes=COPY_BYTES, repeats=10):
+    """Device-to-device copy bandwidth in GB/s (read + written), median of `repeats` copies."""
+    import torch
+
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return _copy_result(times, nbytes)
+
+
+def cpu_copy_bandwidth(nbytes=256 * 1024**2, repeats=5):
+    """Host memory copy bandwidth in GB/s (read + written), median of `repeats` copies."""
+    import numpy as np
+
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return _copy_result(times, nbytes)

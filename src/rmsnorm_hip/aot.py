@@ -1,0 +1,374 @@
+"""Ahead-of-time compilation of every kernel variant the dispatcher can launch, with no GPU, and a
+resource report per kernel (``rmsnorm-hip compile``).
+
+AMD (``--target hip``, numba-hip): each variant of :func:`rmsnorm_hip.kernels.catalog.variants`
+becomes a real HSA code object for each ``--arch`` (gfx942, gfx950, ...).  Per kernel the report
+records VGPR / AGPR / SGPR counts, VGPR and SGPR spills, scratch (private segment) and LDS bytes
+and the kernarg size from the code object's ``amdhsa`` metadata; occupancy (waves per SIMD) and
+code size from the ``-O3`` ISA listing; and how many ``global_load_dwordx4`` /
+``global_store_dwordx4`` the ISA has.
+
+NVIDIA (``--target cuda``, numba-cuda): PTX for ``sm_90`` (or any ``sm_XY``), with the counts of
+``ld.global.v4`` / ``st.global.v4`` and whether a local-memory depot exists.  Registers and spills
+come from the loaded kernel on a real GPU (``CudaKernel.attributes``), not from here.
+
+Gates (``--no-check`` turns all but the first off); each failing kernel counts once:
+
+- the kernel did not compile;
+- scratch bytes, VGPR or SGPR spills (AMD) / a local depot (NVIDIA);
+- a vector-path kernel without 128-bit global loads and stores;
+- a main kernel (vector path, one row per block) over 64 VGPRs (AMD; 8 waves per SIMD need <= 64).
+
+Run as ``python -m rmsnorm_hip.aot --arch gfx942 --arch gfx950 --report out/amd-isa-{arch}.json``
+(``{arch}`` in the path gives one file per arch); ``main(argv)`` is what ``rmsnorm-hip compile``
+calls.  The AMD target needs numba-hip 0.2.1 and a ROCm 7.x COMGR (``.ci/rocm-compile.sh`` builds a
+compile-only environment for that on a machine without ROCm); the NVIDIA target needs numba-cuda.
+"""
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+import traceback
+
+MAIN_KERNEL_MAX_VGPRS = 64
+AMD_ARCHS = ("gfx942", "gfx950")
+CUDA_ARCHS = ("sm_90",)
+_EM_AMDGPU = 224
+_AMDGPU_MACH = {"gfx942": 0x4C, "gfx950": 0x4F}   # EF_AMDGPU_MACH_AMDGCN_* (ELF e_flags & 0xff)
+
+
+# ---- one kernel ------------------------------------------------------------------------------
+def _describe(variant):
+    spec, layout = variant.spec, variant.spec.layout
+    return dict(label=variant.label, op=variant.op, dtype=spec.dtype, weight=spec.weight or None,
+                n=layout.n, threads=layout.threads, rows_per_block=spec.rows,
+                chunks_per_thread=layout.chunks_per_thread, cached=layout.cached,
+                vector=spec.vector, store_rstd=spec.store_rstd)
+
+
+def is_main_kernel(record):
+    """The vector path with one row per block: what LLM-sized rows run."""
+    return record["vector"] and record["rows_per_block"] == 1
+
+
+def _listing_value(isa, key):
+    """An integer from LLVM's ``; Key: N`` / ``; key = N`` kernel-info comments (the first)."""
+    m = re.search(rf"^\s*;\s*{re.escape(key)}\s*[:=]\s*(\d+)", isa, re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+def _elf_mach(code_object):
+    """(e_machine, e_flags & 0xff) of an ELF64 code object."""
+    if code_object[:4] != b"\x7fELF":
+        return None, None
+    return (int.from_bytes(code_object[18:20], "little"),
+            int.from_bytes(code_object[48:52], "little") & 0xFF)
+
+
+def amd_record(variant, arch, intr, keep_dir=None):
+    from .backends.hip import compile_code_object
+
+    record = _describe(variant)
+    record["arch"] = arch
+    code_object, isa, metadata = compile_code_object(variant.builder(intr, variant.spec),
+                                                     variant.argtypes, arch)
+    kernel = metadata["amdhsa.kernels"][0]
+    num = lambda key: int(kernel[key]) if key in kernel else None
+    machine, mach = _elf_mach(code_object)
+    record.update(
+        target=metadata.get("amdhsa.target"),
+        elf_machine=machine, elf_mach=mach,
+        vgpr=num(".vgpr_count"), agpr=num(".agpr_count"), sgpr=num(".sgpr_count"),
+        vgpr_spill=num(".vgpr_spill_count"), sgpr_spill=num(".sgpr_spill_count"),
+        scratch_bytes=num(".private_segment_fixed_size"),
+        lds_bytes=num(".group_segment_fixed_size"),
+        dynamic_stack=bool(num(".uses_dynamic_stack")),
+        kernarg_bytes=num(".kernarg_segment_size"),
+        wavefront=num(".wavefront_size"),
+        occupancy=_listing_value(isa, "Occupancy"),
+        code_bytes=_listing_value(isa, "codeLenInByte"),
+        code_object_bytes=len(code_object),
+        global_load_dwordx4=len(re.findall(r"^\s*global_load_dwordx4\b", isa, re.MULTILINE)),
+        global_store_dwordx4=len(re.findall(r"^\s*global_store_dwordx4\b", isa, re.MULTILINE)),
+        global_atomic_cmpswap=len(re.findall(r"^\s*global_atomic_cmpswap", isa, re.MULTILINE)),
+    )
+    if keep_dir:
+        stem = os.path.join(keep_dir, f"{arch}-{_file_stem(variant.label)}")
+        with open(stem + ".co", "wb") as f:
+            f.write(code_object)
+        with open(stem + ".s", "w") as f:
+            f.write(isa)
+    return record
+
+
+def cuda_record(variant, arch, intr, keep_dir=None):
+    from .backends.cuda import compile_ptx
+
+    record = _describe(variant)
+    record["arch"] = arch
+    cc = _cuda_cc(arch)
+    ptx, entry = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, cc)
+    record.update(
+        ptx_bytes=len(ptx),
+        ld_global_v4=len(re.findall(r"\bld\.global(?:\.\w+)*\.v4\.", ptx)),
+        st_global_v4=len(re.findall(r"\bst\.global(?:\.\w+)*\.v4\.", ptx)),
+        local_depot="__local_depot" in ptx,
+        shared_bytes=sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]",
+                                                      ptx)),
+    )
+    if keep_dir:
+        with open(os.path.join(keep_dir, f"{arch}-{_file_stem(variant.label)}.ptx"), "w") as f:
+            f.write(ptx)
+    return record
+
+
+def problems(record, target):
+    """Why ``record`` fails the gates (empty when it passes)."""
+    if record.get("error"):
+        return ["compile error"]
+    out = []
+    if target == "hip":
+        if record["scratch_bytes"]:
+            out.append(f"scratch {record['scratch_bytes']} B")
+        if record["vgpr_spill"] or record["sgpr_spill"]:
+            out.append(f"spills vgpr {record['vgpr_spill']} sgpr {record['sgpr_spill']}")
+        if record["dynamic_stack"]:
+            out.append("dynamic stack")
+        if record["vector"] and not (record["global_load_dwordx4"]
+                                     and record["global_store_dwordx4"]):
+            out.append("vector path without global_load/store_dwordx4")
+        if is_main_kernel(record) and record["vgpr"] > MAIN_KERNEL_MAX_VGPRS:
+            out.append(f"main kernel {record['vgpr']} VGPRs > {MAIN_KERNEL_MAX_VGPRS}")
+        expected = _AMDGPU_MACH.get(record["arch"])
+        if record["elf_machine"] != _EM_AMDGPU or (expected and record["elf_mach"] != expected):
+            out.append(f"not a {record['arch']} code object")
+    else:
+        if record["local_depot"]:
+            out.append("local memory depot")
+        if record["vector"] and not (record["ld_global_v4"] and record["st_global_v4"]):
+            out.append("vector path without ld/st.global.v4")
+    return out
+
+
+# ---- many kernels ----------------------------------------------------------------------------
+def _cuda_cc(arch):
+    m = re.fullmatch(r"sm_(\d+)(\d)a?", arch)
+    if not m:
+        raise ValueError(f"CUDA arch must look like sm_90, got {arch!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _file_stem(label):
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+
+
+def _select(only):
+    from .kernels import catalog
+    variants = list(catalog.variants())
+    if only:
+        variants = [v for v in variants if any(s in v.label for s in only)]
+    return variants
+
+
+def _compile_shard(job):
+    """Worker: variants ``shard::shards`` for one arch.  Returns (arch, [(index, record)])."""
+    target, arch, shard, shards, only, keep_dir, check = job
+    from . import intrinsics
+    intr = intrinsics.load(target)
+    compile_one = amd_record if target == "hip" else cuda_record
+    records = []
+    for index, variant in list(enumerate(_select(only)))[shard::shards]:
+        try:
+            record = compile_one(variant, arch, intr, keep_dir)
+        except Exception as e:  # reported per kernel; the run fails at the end
+            record = _describe(variant)
+            record.update(arch=arch, error=f"{type(e).__name__}: {e}",
+                          traceback=traceback.format_exc(limit=-8))
+        record["problems"] = problems(record, target) if check or record.get("error") else []
+        records.append((index, record))
+    return arch, records
+
+
+def _toolchain(target):
+    import platform
+    versions = {"python": platform.python_version()}
+    from importlib import metadata
+    packages = (("numba", "llvmlite", "numba-hip", "rocm-bindings-compiler") if target == "hip"
+                else ("numba", "llvmlite", "numba-cuda", "cuda-bindings"))
+    for package in packages:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    comgr = os.environ.get("RMSNORM_HIP_COMGR_VERSION")
+    if comgr:
+        versions["amd-comgr"] = comgr
+    return versions
+
+
+def _summary(records, target):
+    ok = [r for r in records if not r.get("error")]
+    summary = dict(kernels=len(records), compile_errors=len(records) - len(ok),
+                   failing=sum(1 for r in records if r["problems"]))
+    if target == "hip" and ok:
+        summary.update(
+            max_vgpr=max(r["vgpr"] for r in ok),
+            max_vgpr_main=max((r["vgpr"] for r in ok if is_main_kernel(r)), default=None),
+            max_sgpr=max(r["sgpr"] for r in ok),
+            min_occupancy=min(r["occupancy"] or 0 for r in ok),
+            scratch_kernels=sum(1 for r in ok if r["scratch_bytes"]),
+            spill_kernels=sum(1 for r in ok if r["vgpr_spill"] or r["sgpr_spill"]),
+            vector_kernels=sum(1 for r in ok if r["vector"]),
+            vector_kernels_with_dwordx4=sum(1 for r in ok if r["vector"]
+                                            and r["global_load_dwordx4"]
+                                            and r["global_store_dwordx4"]),
+            max_lds_bytes=max(r["lds_bytes"] for r in ok))
+    elif ok:
+        summary.update(
+            local_depot_kernels=sum(1 for r in ok if r["local_depot"]),
+            vector_kernels=sum(1 for r in ok if r["vector"]),
+            vector_kernels_with_v4=sum(1 for r in ok if r["vector"] and r["ld_global_v4"]
+                                       and r["st_global_v4"]),
+            compile_s=round(sum(r["compile_s"] for r in ok), 1))
+    return summary
+
+
+def _report(target, arch, records):
+    return {
+        "target": target,
+        "arch": arch,
+        "generated_by": "rmsnorm-hip compile (rmsnorm_hip.aot)",
+        "toolchain": _toolchain(target),
+        "gates": {"scratch_bytes": 0, "spills": 0, "vector_path_128bit_access": True,
+                  **({"main_kernel_max_vgpr": MAIN_KERNEL_MAX_VGPRS} if target == "hip" else {})},
+        "summary": _summary(records, target),
+        "kernels": records,
+    }
+
+
+def _write(path, data):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=False)
+        f.write("\n")
+
+
+def compile_all(archs, report_path=None, target="hip", *, only=None, jobs=None, keep_dir=None,
+                check=True, out=sys.stdout):
+    """Compile every catalog variant for every arch in ``archs``; returns the number of failing
+    kernel compilations (compile errors, plus gate violations when ``check``).
+
+    ``report_path``: a JSON file; with ``{arch}`` in it, one file per arch, else one file with a
+    report per arch.  ``only``: label substrings to select variants.  ``jobs``: worker processes
+    (default: the CPU count), each compiling a share of one arch's variants.
+    ``keep_dir``: also write each code object and ISA listing (or PTX) there.
+    """
+    if target not in ("hip", "cuda"):
+        raise ValueError(f"target must be 'hip' or 'cuda', got {target!r}")
+    archs = list(dict.fromkeys(archs or (AMD_ARCHS if target == "hip" else CUDA_ARCHS)))
+    if target == "cuda":
+        for arch in archs:
+            _cuda_cc(arch)
+    if keep_dir:
+        os.makedirs(keep_dir, exist_ok=True)
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    shards = max(1, jobs // len(archs))
+    work = [(target, arch, shard, shards, tuple(only or ()), keep_dir, check)
+            for arch in archs for shard in range(shards)]
+    start = time.perf_counter()
+    if min(jobs, len(work)) == 1:
+        done = list(map(_compile_shard, work))
+    else:
+        # spawn: a fresh interpreter per worker (numba / LLVM state is not fork-safe)
+        with multiprocessing.get_context("spawn").Pool(min(jobs, len(work))) as pool:
+            done = pool.map(_compile_shard, work, chunksize=1)
+    results = {arch: [] for arch in archs}
+    for arch, records in done:
+        results[arch].extend(records)
+    results = {arch: [r for _, r in sorted(records, key=lambda x: x[0])]
+               for arch, records in results.items()}
+    elapsed = time.perf_counter() - start
+    reports = {arch: _report(target, arch, results[arch]) for arch in archs}
+    if report_path:
+        if "{arch}" in report_path:
+            for arch, report in reports.items():
+                _write(report_path.format(arch=arch), report)
+        else:
+            _write(report_path, {"reports": list(reports.values())})
+    print_table(reports, target, out)
+    failing = sum(report["summary"]["failing"] for report in reports.values())
+    print(f"{sum(len(r['kernels']) for r in reports.values())} kernel compilations for "
+          f"{', '.join(archs)} in {elapsed:.0f} s: {failing} failing", file=out)
+    return failing
+
+
+def print_table(reports, target, out=sys.stdout):
+    """One line per kernel, one column group per arch; failures spelled out below."""
+    archs = list(reports)
+    first = reports[archs[0]]["kernels"]
+    if target == "hip":
+        head = "vgpr sgpr agpr occ  lds scr spill ld4/st4"
+        cell = lambda r: (f"{r['vgpr']:>4} {r['sgpr']:>4} {r['agpr']:>4} {r['occupancy'] or 0:>3} "
+                          f"{r['lds_bytes']:>4} {r['scratch_bytes']:>3} "
+                          f"{r['vgpr_spill'] + r['sgpr_spill']:>5} "
+                          f"{r['global_load_dwordx4']:>3}/{r['global_store_dwordx4']:<3}")
+    else:
+        head = "ld4 st4 depot shared"
+        cell = lambda r: (f"{r['ld_global_v4']:>3} {r['st_global_v4']:>3} "
+                          f"{'yes' if r['local_depot'] else 'no':>5} {r['shared_bytes']:>6}")
+    width = max(len(r["label"]) for r in first)
+    print(f"{'kernel':<{width}}  " + "  ".join(f"{a:^{len(head)}}" for a in archs), file=out)
+    print(f"{'':<{width}}  " + "  ".join(head for _ in archs), file=out)
+    for i, r0 in enumerate(first):
+        cells = []
+        for arch in archs:
+            r = reports[arch]["kernels"][i]
+            cells.append(f"{'ERROR':^{len(head)}}" if r.get("error") else cell(r))
+        mark = " *" if any(reports[a]["kernels"][i]["problems"] for a in archs) else ""
+        print(f"{r0['label']:<{width}}  " + "  ".join(cells) + mark, file=out)
+    for arch in archs:
+        s = reports[arch]["summary"]
+        print(f"{arch}: " + ", ".join(f"{k}={v}" for k, v in s.items()), file=out)
+        for r in reports[arch]["kernels"]:
+            if r["problems"]:
+                print(f"  FAIL {arch} {r['label']}: {'; '.join(r['problems'])}", file=out)
+                if r.get("error"):
+                    print("    " + r["error"].replace("\n", "\n    ")[:2000], file=out)
+
+
+def main(argv=None):
+    """``rmsnorm-hip compile [--target hip|cuda] [--arch ARCH]... [--report FILE]``; exit status
+    is 0 when every kernel compiled and passed the gates, 1 otherwise."""
+    parser = argparse.ArgumentParser(
+        prog="rmsnorm-hip compile",
+        description="Compile every kernel variant the dispatcher can launch ahead of time (no GPU "
+                    "needed) and report each kernel's resource usage.")
+    parser.add_argument("--target", choices=("hip", "cuda"), default="hip",
+                        help="hip: AMD code objects via numba-hip (default); cuda: PTX via "
+                             "numba-cuda")
+    parser.add_argument("--arch", action="append", dest="archs", metavar="ARCH",
+                        help="gfx942, gfx950, ... (hip) or sm_90, ... (cuda); repeatable; "
+                             f"default {' '.join(AMD_ARCHS)} / {' '.join(CUDA_ARCHS)}")
+    parser.add_argument("--report", metavar="FILE",
+                        help="write the JSON report here; '{arch}' in FILE gives one file per "
+                             "arch")
+    parser.add_argument("--only", action="append", metavar="TEXT",
+                        help="only variants whose label contains TEXT (repeatable)")
+    parser.add_argument("--jobs", type=int, metavar="N",
+                        help="worker processes (default: the CPU count)")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="also write each code object + ISA listing (or PTX) to DIR")
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="report resources without failing on scratch, spills, missing "
+                             "128-bit accesses or the main-kernel VGPR limit")
+    args = parser.parse_args(argv)
+    failing = compile_all(args.archs, args.report, args.target, only=args.only, jobs=args.jobs,
+                          keep_dir=args.keep, check=args.check)
+    return 1 if failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
