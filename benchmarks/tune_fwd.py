@@ -1,140 +1,82 @@
-"""Forward launch-geometry sweep on a GPU (writes JSON to $OUT or --out).
+"""Forward tuning sweep on a GPU (writes JSON to $OUT or --out).
 
-For each shape, times the forward kernel under candidate geometries (chunks per thread, block
-threads) by patching the two constants of kernels/_config.py that decide them, with CUDA events
-around each call and a 256 MB L2 flush before it; also the copy ceiling, torch eager, registers of
-every catalog variant and host overhead per call.  Results feed the frozen table in _config.py.
+Device time per call as the benchmark measures it (CUPTI kernel time, 256 MB write flush before
+each call; rmsnorm_hip._bench.timing), for each shape under candidate geometries (chunks per
+thread: kernels/_config.CHUNKS_PER_THREAD, patched here) and 128-bit access forms (the
+RMSNORM_HIP_CUDA_LOAD / _STORE knobs of intrinsics/cuda.py: one worker process per form, since
+the intrinsics are built once per process).  Results feed the frozen constants in _config.py.
 """
 import argparse
 import json
 import os
-import statistics
+import subprocess
 import sys
-import time
-
-import numpy as np
-import torch
-
-import rmsnorm_hip
-from rmsnorm_hip import _cache, backends
-from rmsnorm_hip.kernels import _config, catalog
 
 SHAPES = [(32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192), (4096, 5000)]
-FLUSH = None
+FORMS = [("plain", "plain"), ("nc", "plain"), ("nc256", "plain"), ("l2_256", "plain"),
+         ("nc256", "cs")]
+CHUNKS = (2, 3, 4)
 
 
-def flush():
-    global FLUSH
-    if FLUSH is None:
-        FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    FLUSH.add_(1)
+def worker():
+    import torch
 
+    import rmsnorm_hip
+    from rmsnorm_hip import backends
+    from rmsnorm_hip._bench import timing
+    from rmsnorm_hip.kernels import _config
 
-def device_us(fn, iters=30):
-    times = []
-    for _ in range(3):
-        fn()
-    for _ in range(iters):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
-def copy_gbps():
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = device_us(lambda: dst.copy_(src), iters=20)
-    return 2 * src.numel() / us / 1e3
-
-
-def reset_plans():
-    for b in list(backends._backends.values()):
-        if hasattr(b, "_plans"):
-            b._plans.clear()
-
-
-def sweep(out):
-    res = {"copy_GBps": copy_gbps(), "rows": []}
-    print(f"copy {res['copy_GBps']:.0f} GB/s", flush=True)
-    for dtype in (torch.bfloat16, torch.float32):
-        for m, n in (SHAPES if dtype == torch.bfloat16 else [(4096, 4096), (16384, 8192)]):
-            x = torch.randn(m, n, device="cuda", dtype=dtype)
-            w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
-            nbytes = 2 * m * n * x.element_size() + n * w.element_size()
-            t_torch = device_us(lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6))
-            row = dict(m=m, n=n, dtype=str(dtype), torch_us=t_torch, variants=[])
-            seen = set()
-            for cpt in (1, 2, 3, 4):
-                for block in (128, 256, 512):
-                    _config.CHUNKS_PER_THREAD, _config.BLOCK_THREADS = cpt, block
-                    reset_plans()
-                    layout = _config.row_layout(n, "bfloat16" if dtype == torch.bfloat16 else "float32")
-                    geometry = (layout, _config.rows_per_block(layout))
-                    if geometry in seen:
-                        continue
-                    seen.add(geometry)
-                    us = device_us(lambda: rmsnorm_hip.rms_norm(x, w, 1e-6))
-                    gbps = nbytes / us / 1e3
-                    row["variants"].append(dict(cpt=cpt, block=block, threads=layout.threads,
-                                                per_thread=layout.chunks_per_thread, us=us, GBps=gbps,
-                                                pct=100 * gbps / res["copy_GBps"]))
-            best = max(row["variants"], key=lambda v: v["GBps"])
-            print(f"{m}x{n} {dtype}: torch {nbytes / t_torch / 1e3:6.0f} GB/s | best cpt={best['cpt']} "
-                  f"block={best['block']} T={best['threads']} {best['GBps']:6.0f} GB/s "
-                  f"{best['pct']:5.1f}% | " + " ".join(f"{v['cpt']}/{v['block']}:{v['pct']:.0f}"
-                                                     for v in row["variants"]), flush=True)
-            res["rows"].append(row)
-    _config.CHUNKS_PER_THREAD, _config.BLOCK_THREADS = 2, 256
-    reset_plans()
-    return res
-
-
-def registers():
-    be = backends.get("cuda", 0)
-    out = []
-    for v in catalog.variants():
-        k = be.kernel(v.builder, v.spec, v.argtypes)
-        out.append(dict(label=v.label, **k.attributes()))
-    worst = max(out, key=lambda r: r["registers"])
-    spills = [r for r in out if r["local_bytes"]]
-    print(f"{len(out)} variants: max registers {worst['registers']} ({worst['label']}), "
-          f"local-memory variants {len(spills)}", flush=True)
-    return out
-
-
-def overhead():
-    res = []
-    for m in (1, 32):
-        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
-        for name, fn in (("rmsnorm_hip", lambda: rmsnorm_hip.rms_norm(x, w, 1e-6)),
-                         ("torch", lambda: torch.nn.functional.rms_norm(x, (4096,), w, 1e-6))):
-            for _ in range(100):
-                fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(1000):
-                fn()
-            torch.cuda.synchronize()
-            us = (time.perf_counter() - t) / 1000 * 1e6
-            res.append(dict(m=m, impl=name, us_per_call=us))
-            print(f"overhead M={m} {name}: {us:.2f} us/call", flush=True)
-    return res
+    flush = timing.L2Flush("write")
+    cases = [(m, n, torch.bfloat16) for m, n in SHAPES] + [(4096, 4096, torch.float32)]
+    for m, n, dtype in cases:
+        x = torch.randn(m, n, device="cuda", dtype=dtype)
+        w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
+        nbytes = 2 * m * n * x.element_size() + n * w.element_size()
+        for chunks in CHUNKS:
+            _config.CHUNKS_PER_THREAD = chunks
+            for b in backends._backends.values():
+                b._plans.clear()
+            rmsnorm_hip.functional._fwd_runners.clear()
+            us = timing.cuda_device_time(lambda: rmsnorm_hip.rms_norm(x, w, 1e-6), flush)
+            us = us["us"]
+            print(json.dumps(dict(m=m, n=n, dtype=str(dtype), chunks=chunks, us=us,
+                                  GBps=nbytes / us / 1e3)), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--worker", action="store_true")
     args = ap.parse_args()
-    result = dict(gpu=torch.cuda.get_device_name(), overhead=overhead(), sweep=sweep(args.out),
-                  registers=registers())
+    if args.worker:
+        return worker()
+    from rmsnorm_hip._bench import timing
+    copy = timing.cuda_copy_bandwidth()["gbps"]
+    rows = []
+    for load, store in FORMS:
+        env = dict(os.environ, RMSNORM_HIP_CUDA_LOAD=load, RMSNORM_HIP_CUDA_STORE=store)
+        done = subprocess.run([sys.executable, __file__, "--worker"], env=env, text=True,
+                              capture_output=True)
+        if done.returncode:
+            print(f"{load}/{store} failed:\n{done.stderr[-2000:]}", flush=True)
+            continue
+        for line in done.stdout.splitlines():
+            if line.startswith("{"):
+                rows.append(dict(json.loads(line), load=load, store=store))
     with open(os.path.join(args.out, "tune_fwd.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(dict(copy=copy, rows=rows), f, indent=1)
+    copy_gbps = copy
+    print(f"copy: {copy:.0f} GB/s")
+    shapes = sorted({(r["m"], r["n"], r["dtype"]) for r in rows}, key=lambda s: -s[0] * s[1])
+    header = [f"{l}/{s}:{c}" for l, s in FORMS for c in CHUNKS]
+    print("shape               " + " ".join(f"{h:>14s}" for h in header))
+    for m, n, dt in shapes:
+        cells = []
+        for l, s in FORMS:
+            for c in CHUNKS:
+                r = [r for r in rows if (r["m"], r["n"], r["dtype"], r["load"], r["store"], r["chunks"]) == (m, n, dt, l, s, c)]
+                cells.append(f"{r[0]['GBps']:>8.0f}" + (f"({100 * r[0]['GBps'] / copy_gbps:3.0f})" if r and copy_gbps else "     ") if r else f"{'-':>14s}")
+        print(f"{m}x{n} {dt[6:]:9s} " + " ".join(f"{c:>14s}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -268,65 +268,62 @@ def _contiguous(shape):
 
 # ---- the repeat-call fast path ------------------------------------------------------------------
 # A call's validation and kernel choice depend on its arrays' metadata only, so they are done once
-# per signature (functional.py caches a plan under it); a repeat call then only reads pointers,
-# allocates its outputs and launches.  Only torch and CuPy device arrays have a cheap signature.
+# per key (functional.py caches a runner under it); a repeat call then only reads pointers,
+# allocates its outputs and launches.  torch and CuPy device arrays have a cheap key.
 
-class _TorchFast:
-    @staticmethod
-    def signature(t):
-        return ("torch", t.dtype, t.shape, t.stride(), t.get_device())
-
-    @staticmethod
-    def ptr(t):
-        return t.data_ptr()
-
-    @staticmethod
-    def allocator(like, shape, dtype):
-        torch = _torch()
-        tdtype, device = getattr(torch, dtype), like.obj.device
-        return lambda: torch.empty(shape, dtype=tdtype, device=device)
-
-    @staticmethod
-    def stream(device_index):
-        return _torch()._C._cuda_getCurrentRawStream(device_index)
+def _param_key(w, lib_key):
+    if w is None:
+        return None
+    key = lib_key(w)
+    return key if key is not None else (type(w), id(w))
 
 
-class _CupyFast:
-    @staticmethod
-    def signature(a):
-        return ("cupy", a.dtype, a.shape, a.strides, a.device.id)
-
-    @staticmethod
-    def ptr(a):
-        return a.data.ptr
-
-    @staticmethod
-    def allocator(like, shape, dtype):
-        cupy = _cupy()
-        storage, device = _dtypes.STORAGE[dtype], cupy.cuda.Device(like.device_index)
-
-        def allocate():
-            with device:
-                return cupy.empty(shape, storage)
-        return allocate
-
-    @staticmethod
-    def stream(device_index):
-        return _cupy().cuda.get_current_stream().ptr
-
-
-def fast_adapter(obj):
-    """The fast-path adapter of a torch / CuPy *device* array, else None."""
-    torch = _torch()
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return _TorchFast if obj.is_cuda else None
-    cupy = _cupy()
-    if cupy is not None and isinstance(obj, cupy.ndarray):
-        return _CupyFast
+def _torch_key(t):
+    if t.is_cuda:
+        return (t.dtype, t.shape, t.stride(), t.get_device())
     return None
 
 
-def signature_of(obj):
-    """Fast-path signature of a parameter array (weight): its adapter's, or its identity class."""
-    adapter = fast_adapter(obj)
-    return adapter.signature(obj) if adapter is not None else (type(obj), id(obj))
+def _cupy_key(a):
+    return (a.dtype, a.shape, a.strides, a.device.id)
+
+
+def fast_key(x, weight, flags):
+    """Hashable key of a call's metadata, or None when ``x`` has no fast path."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        key = _torch_key(x)
+        return None if key is None else ("torch", key, _param_key(weight, _torch_key), flags)
+    cupy = _cupy()
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return ("cupy", _cupy_key(x), _param_key(weight, _cupy_key), flags)
+    return None
+
+
+class FastIO:
+    """Pointer reader, allocator and stream of one library, for runners built once per key."""
+
+    def __init__(self, like):
+        self.lib, self.device_index = like.lib, like.device_index
+        if like.lib == "torch":
+            torch = _torch()
+            self.ptr = torch.Tensor.data_ptr
+            raw_stream, index = torch._C._cuda_getCurrentRawStream, like.device_index
+            self.stream = lambda: raw_stream(index)
+            empty, device = torch.empty, like.obj.device
+            self.allocator = lambda shape, dtype: (
+                lambda tdtype=getattr(torch, dtype): empty(shape, dtype=tdtype, device=device))
+        else:
+            cupy = _cupy()
+            self.ptr = lambda a: a.data.ptr
+            self.stream = lambda: cupy.cuda.get_current_stream().ptr
+            device = cupy.cuda.Device(like.device_index)
+
+            def allocator(shape, dtype):
+                storage = _dtypes.STORAGE[dtype]
+
+                def allocate():
+                    with device:
+                        return cupy.empty(shape, storage)
+                return allocate
+            self.allocator = allocator

@@ -68,61 +68,64 @@ def _elf_mach(code_object):
             int.from_bytes(code_object[48:52], "little") & 0xFF)
 
 
-def amd_record(variant, arch, intr, keep_dir=None):
-    from .backends.hip import compile_code_object
+def amd_records(variant, archs, intr, keep_dir=None):
+    """{arch: record} of one variant compiled for every AMD arch (one numba compile)."""
+    from .backends.hip import compile_code_objects
 
-    record = _describe(variant)
-    record["arch"] = arch
-    code_object, isa, metadata = compile_code_object(variant.builder(intr, variant.spec),
-                                                     variant.argtypes, arch)
-    kernel = metadata["amdhsa.kernels"][0]
-    num = lambda key: int(kernel[key]) if key in kernel else None
-    machine, mach = _elf_mach(code_object)
-    record.update(
-        target=metadata.get("amdhsa.target"),
-        elf_machine=machine, elf_mach=mach,
-        vgpr=num(".vgpr_count"), agpr=num(".agpr_count"), sgpr=num(".sgpr_count"),
-        vgpr_spill=num(".vgpr_spill_count"), sgpr_spill=num(".sgpr_spill_count"),
-        scratch_bytes=num(".private_segment_fixed_size"),
-        lds_bytes=num(".group_segment_fixed_size"),
-        dynamic_stack=bool(num(".uses_dynamic_stack")),
-        kernarg_bytes=num(".kernarg_segment_size"),
-        wavefront=num(".wavefront_size"),
-        occupancy=_listing_value(isa, "Occupancy"),
-        code_bytes=_listing_value(isa, "codeLenInByte"),
-        code_object_bytes=len(code_object),
-        global_load_dwordx4=len(re.findall(r"^\s*global_load_dwordx4\b", isa, re.MULTILINE)),
-        global_store_dwordx4=len(re.findall(r"^\s*global_store_dwordx4\b", isa, re.MULTILINE)),
-        global_atomic_cmpswap=len(re.findall(r"^\s*global_atomic_cmpswap", isa, re.MULTILINE)),
-    )
-    if keep_dir:
-        stem = os.path.join(keep_dir, f"{arch}-{_file_stem(variant.label)}")
-        with open(stem + ".co", "wb") as f:
-            f.write(code_object)
-        with open(stem + ".s", "w") as f:
-            f.write(isa)
-    return record
+    compiled = compile_code_objects(variant.builder(intr, variant.spec), variant.argtypes, archs)
+    records = {}
+    for arch, (code_object, isa, metadata) in compiled.items():
+        kernel = metadata["amdhsa.kernels"][0]
+        num = lambda key: int(kernel[key]) if key in kernel else None
+        count = lambda pattern: len(re.findall(rf"^\s*{pattern}\b", isa, re.MULTILINE))
+        machine, mach = _elf_mach(code_object)
+        records[arch] = record = _describe(variant)
+        record.update(
+            arch=arch, target=metadata.get("amdhsa.target"), elf_machine=machine, elf_mach=mach,
+            vgpr=num(".vgpr_count"), agpr=num(".agpr_count"), sgpr=num(".sgpr_count"),
+            vgpr_spill=num(".vgpr_spill_count"), sgpr_spill=num(".sgpr_spill_count"),
+            scratch_bytes=num(".private_segment_fixed_size"),
+            lds_bytes=num(".group_segment_fixed_size"),
+            dynamic_stack=bool(num(".uses_dynamic_stack")),
+            kernarg_bytes=num(".kernarg_segment_size"),
+            wavefront=num(".wavefront_size"),
+            occupancy=_listing_value(isa, "Occupancy"),
+            code_bytes=_listing_value(isa, "codeLenInByte"),
+            code_object_bytes=len(code_object),
+            global_load_dwordx4=count("global_load_dwordx4"),
+            global_store_dwordx4=count("global_store_dwordx4"),
+            global_atomic_cmpswap=count("global_atomic_cmpswap\\w*"),
+        )
+        if keep_dir:
+            stem = os.path.join(keep_dir, f"{arch}-{_file_stem(variant.label)}")
+            with open(stem + ".co", "wb") as f:
+                f.write(code_object)
+            with open(stem + ".s", "w") as f:
+                f.write(isa)
+    return records
 
 
-def cuda_record(variant, arch, intr, keep_dir=None):
+def cuda_records(variant, archs, intr, keep_dir=None):
+    """{arch: record} of one variant compiled to PTX for every ``sm_XY`` in ``archs``."""
     from .backends.cuda import compile_ptx
 
-    record = _describe(variant)
-    record["arch"] = arch
-    cc = _cuda_cc(arch)
-    ptx, entry = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, cc)
-    record.update(
-        ptx_bytes=len(ptx),
-        ld_global_v4=len(re.findall(r"\bld\.global(?:\.\w+)*\.v4\.", ptx)),
-        st_global_v4=len(re.findall(r"\bst\.global(?:\.\w+)*\.v4\.", ptx)),
-        local_depot="__local_depot" in ptx,
-        shared_bytes=sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]",
-                                                      ptx)),
-    )
-    if keep_dir:
-        with open(os.path.join(keep_dir, f"{arch}-{_file_stem(variant.label)}.ptx"), "w") as f:
-            f.write(ptx)
-    return record
+    records = {}
+    for arch in archs:
+        ptx, _ = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, _cuda_cc(arch))
+        records[arch] = record = _describe(variant)
+        record.update(
+            arch=arch,
+            ptx_bytes=len(ptx),
+            ld_global_v4=len(re.findall(r"\bld\.global(?:\.\w+)*\.v4\.", ptx)),
+            st_global_v4=len(re.findall(r"\bst\.global(?:\.\w+)*\.v4\.", ptx)),
+            local_depot="__local_depot" in ptx,
+            shared_bytes=sum(int(n) for n in re.findall(
+                r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
+        )
+        if keep_dir:
+            with open(os.path.join(keep_dir, f"{arch}-{_file_stem(variant.label)}.ptx"), "w") as f:
+                f.write(ptx)
+    return records
 
 
 def problems(record, target):
@@ -174,22 +177,23 @@ def _select(only):
 
 
 def _compile_shard(job):
-    """Worker: variants ``shard::shards`` for one arch.  Returns (arch, [(index, record)])."""
-    target, arch, shard, shards, only, keep_dir, check = job
+    """Worker: variants ``shard::shards`` for every arch.  Returns [(index, {arch: record})]."""
+    target, archs, shard, shards, only, keep_dir, check = job
     from . import intrinsics
     intr = intrinsics.load(target)
-    compile_one = amd_record if target == "hip" else cuda_record
-    records = []
+    compile_variant = amd_records if target == "hip" else cuda_records
+    done = []
     for index, variant in list(enumerate(_select(only)))[shard::shards]:
         try:
-            record = compile_one(variant, arch, intr, keep_dir)
+            records = compile_variant(variant, archs, intr, keep_dir)
         except Exception as e:  # reported per kernel; the run fails at the end
-            record = _describe(variant)
-            record.update(arch=arch, error=f"{type(e).__name__}: {e}",
-                          traceback=traceback.format_exc(limit=-8))
-        record["problems"] = problems(record, target) if check or record.get("error") else []
-        records.append((index, record))
-    return arch, records
+            error = dict(error=f"{type(e).__name__}: {e}",
+                         traceback=traceback.format_exc(limit=-8))
+            records = {arch: dict(_describe(variant), arch=arch, **error) for arch in archs}
+        for record in records.values():
+            record["problems"] = problems(record, target) if check or record.get("error") else []
+        done.append((index, records))
+    return done
 
 
 def _toolchain(target):
@@ -231,8 +235,7 @@ def _summary(records, target):
             local_depot_kernels=sum(1 for r in ok if r["local_depot"]),
             vector_kernels=sum(1 for r in ok if r["vector"]),
             vector_kernels_with_v4=sum(1 for r in ok if r["vector"] and r["ld_global_v4"]
-                                       and r["st_global_v4"]),
-            compile_s=round(sum(r["compile_s"] for r in ok), 1))
+                                       and r["st_global_v4"]))
     return summary
 
 
@@ -263,7 +266,8 @@ def compile_all(archs, report_path=None, target="hip", *, only=None, jobs=None, 
 
     ``report_path``: a JSON file; with ``{arch}`` in it, one file per arch, else one file with a
     report per arch.  ``only``: label substrings to select variants.  ``jobs``: worker processes
-    (default: the CPU count), each compiling a share of one arch's variants.
+    (default: the CPU count), each compiling a share of the variants for every arch (AMD: one
+    numba compile per variant, one link and code generation per arch).
     ``keep_dir``: also write each code object and ISA listing (or PTX) there.
     """
     if target not in ("hip", "cuda"):
@@ -275,21 +279,18 @@ def compile_all(archs, report_path=None, target="hip", *, only=None, jobs=None, 
     if keep_dir:
         os.makedirs(keep_dir, exist_ok=True)
     jobs = max(1, jobs or os.cpu_count() or 1)
-    shards = max(1, jobs // len(archs))
-    work = [(target, arch, shard, shards, tuple(only or ()), keep_dir, check)
-            for arch in archs for shard in range(shards)]
+    work = [(target, archs, shard, jobs, tuple(only or ()), keep_dir, check)
+            for shard in range(jobs)]
     start = time.perf_counter()
-    if min(jobs, len(work)) == 1:
-        done = list(map(_compile_shard, work))
+    if jobs == 1:
+        done = _compile_shard(work[0])
     else:
         # spawn: a fresh interpreter per worker (numba / LLVM state is not fork-safe)
-        with multiprocessing.get_context("spawn").Pool(min(jobs, len(work))) as pool:
-            done = pool.map(_compile_shard, work, chunksize=1)
-    results = {arch: [] for arch in archs}
-    for arch, records in done:
-        results[arch].extend(records)
-    results = {arch: [r for _, r in sorted(records, key=lambda x: x[0])]
-               for arch, records in results.items()}
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            done = [item for shard in pool.map(_compile_shard, work, chunksize=1)
+                    for item in shard]
+    done.sort(key=lambda item: item[0])
+    results = {arch: [records[arch] for _, records in done] for arch in archs}
     elapsed = time.perf_counter() - start
     reports = {arch: _report(target, arch, results[arch]) for arch in archs}
     if report_path:

@@ -134,7 +134,13 @@ def cmd_compile(args):
     return aot.main(args.rest)
 
 
+_PASS_THROUGH = {"bench": cmd_bench, "compile": cmd_compile}
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _PASS_THROUGH:  # their own argparse owns every option after the verb
+        return _PASS_THROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
     parser = argparse.ArgumentParser(prog="rmsnorm-hip", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backend, device, arch and versions").set_defaults(fn=cmd_info)

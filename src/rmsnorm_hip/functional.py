@@ -7,27 +7,14 @@ arrays' metadata (validation, backend, kernel choice) is kept in a plan under th
 so a repeat call reads pointers, allocates its outputs and launches (a few microseconds).
 """
 import math
-from dataclasses import dataclass
 
 from . import _arrays, _dtypes, _validate, backends
 
 __all__ = ["rms_norm"]
 
 
-@dataclass(frozen=True)
-class _FwdPlan:
-    adapter: object
-    backend: object
-    kernels: object
-    m: int
-    x_stride: int
-    alloc_y: object
-    alloc_rstd: object
-    device_index: int
-
-
-_fwd_plans = {}
-_MAX_PLANS = 4096
+_fwd_runners = {}
+_MAX_RUNNERS = 4096
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rstd=False,
@@ -52,33 +39,19 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
     y, or (y, rstd) — in x's library and on x's device.
     """
     if out is None and dtype is None:
-        adapter = _arrays.fast_adapter(x)
-        if adapter is not None:
-            key = (adapter.signature(x),
-                   None if weight is None else _arrays.signature_of(weight), return_rstd)
-            plan = _fwd_plans.get(key)
-            if plan is not None and _fast_scalars_ok(eps, weight_offset, weight):
-                return _run_fwd_plan(plan, x, weight, eps, weight_offset, return_rstd)
-            result = _rms_norm(x, weight, eps, weight_offset, None, return_rstd, None, key)
-            return result
+        key = _arrays.fast_key(x, weight, return_rstd)
+        if key is not None:
+            run = _fwd_runners.get(key)
+            if run is not None and _fast_scalars_ok(eps, weight_offset, weight):
+                return run(x, weight, eps, weight_offset)
+            return _rms_norm(x, weight, eps, weight_offset, None, return_rstd, None, key)
     return _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, None)
 
 
 def _fast_scalars_ok(eps, weight_offset, weight):
-    """Scalars the plan path may take as they are; anything else goes through full validation."""
+    """Scalars a runner may take as they are; anything else goes through full validation."""
     return (type(eps) is float and 0.0 <= eps < math.inf and type(weight_offset) is float
-            and math.isfinite(weight_offset) and (weight is not None or weight_offset == 0.0))
-
-
-def _run_fwd_plan(plan, x, weight, eps, weight_offset, return_rstd):
-    ptr = plan.adapter.ptr
-    y = plan.alloc_y()
-    rstd = plan.alloc_rstd() if return_rstd else None
-    if plan.m:
-        plan.backend.launch_fwd(plan.kernels, ptr(x), 0 if weight is None else ptr(weight), ptr(y),
-                                0 if rstd is None else ptr(rstd), plan.m, plan.x_stride,
-                                eps, weight_offset, plan.adapter.stream(plan.device_index))
-    return (y, rstd) if return_rstd else y
+            and -math.inf < weight_offset < math.inf and (weight is not None or weight_offset == 0.0))
 
 
 def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
@@ -106,16 +79,11 @@ def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
 
     if m > 0:
         backend.rms_norm_fwd(xi, wi, yi, ri, m, n, x_stride, y_stride, eps, weight_offset)
-    if plan_key is not None and hasattr(backend, "launch_fwd"):
-        if len(_fwd_plans) > _MAX_PLANS:  # serving sees many M: keep the cache bounded
-            _fwd_plans.clear()
-        adapter = _arrays.fast_adapter(x)
-        _fwd_plans[plan_key] = _FwdPlan(
-            adapter=adapter, backend=backend,
-            kernels=backend.fwd_kernels(n, xi.dtype, wi.dtype if wi is not None else "",
-                                        return_rstd, x_stride),
-            m=m, x_stride=x_stride, alloc_y=adapter.allocator(xi, xi.shape, xi.dtype),
-            alloc_rstd=adapter.allocator(xi, (m,), _dtypes.FLOAT32),
-            device_index=xi.device_index)
+    if plan_key is not None and hasattr(backend, "fwd_runner"):
+        if len(_fwd_runners) > _MAX_RUNNERS:  # serving sees many M: keep the cache bounded
+            _fwd_runners.clear()
+        _fwd_runners[plan_key] = backend.fwd_runner(
+            _arrays.FastIO(xi), xi.shape, m, n, x_stride, xi.dtype,
+            wi.dtype if wi is not None else "", return_rstd)
     y = yi.result() if out is None else out
     return (y, ri.result()) if return_rstd else y

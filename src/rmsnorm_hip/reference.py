@@ -1,10 +1,11 @@
 """float64 NumPy references for API.md's numerical contract.
 
-Each ``<op>_ref`` takes the same (already rounded) arrays the kernels see — NumPy float32,
-float16, ``ml_dtypes.bfloat16``, or CPU torch tensors — upcasts them exactly to float64 and returns
-float64 results, never rounded to the output dtype: tests measure the kernels' one rounding against
-them.  Per-row statistics come back flattened to ``(M,)`` like the kernels'.  New ops go here as
-further ``<op>_ref`` functions built from :func:`to_float64` and :func:`rms_norm_ref`.
+Each ``<op>_ref`` takes the same (already rounded) arrays the kernels see: NumPy float32,
+float16, ``ml_dtypes.bfloat16``, or CPU torch tensors.  It upcasts them exactly to float64 and
+returns float64 results, never rounded to the output dtype: tests measure the kernels' one
+rounding against them.  Per-row statistics come back flattened to ``(M,)`` like the kernels'.
+New ops go here as further ``<op>_ref`` functions built from :func:`to_float64` (and from each
+other: a fused add is ``rms_norm_ref`` of the rounded sum).
 """
 import numpy as np
 

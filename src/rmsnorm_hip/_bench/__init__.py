@@ -9,10 +9,11 @@ Python::
 - ``op``: a key of ``ops.OPS`` (``"fwd"`` now; ``"bwd"``, ``"fused"``, ``"quant"`` once registered).
 - ``shapes``: ``[(M, N) or "MxN", ...]``; None: the target's default cases (``runner.CUDA_CASES``,
   ``runner.CPU_CASES``).
-- ``dtypes``: ``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"``, ``"float32"``/``"fp32"``; None:
-  bf16 for given shapes, the default cases otherwise; given alone, the default shapes in those dtypes.
-- ``json_path``: write the result there, rewritten after every case (a run cut short keeps its data).
-- ``plot_path``: a PNG of GB/s per case and implementation, the copy bandwidth as a line (matplotlib).
+- ``dtypes``: ``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"``, ``"float32"``/``"fp32"``.
+  None: bf16 for given shapes, else the default cases; given alone: the default shapes in them.
+- ``json_path``: write the result there, rewritten after every case (a cut run keeps its data).
+- ``plot_path``: a PNG of GB/s per case and implementation, the copy bandwidth as a line
+  (needs matplotlib).
 - ``compare``: True, every peer of the op; False, ours only; or peer names (``"torch"`` also selects
   ``"torch_compile"``).
 - ``progress``: a tqdm bar on a terminal, one printed line per case otherwise.

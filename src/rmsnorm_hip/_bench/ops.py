@@ -14,6 +14,7 @@ To add an op (`bwd`, `fused`, `quant`): write those functions and add an entry t
 several outputs returns a tuple from its implementations and its reference; the error is the
 largest over the outputs.
 """
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -42,7 +43,7 @@ class Op:
         if not isinstance(outputs, tuple) or len(outputs) != len(reference):
             return float("nan")
         errors = [target.rel_err(out, ref) for out, ref in zip(outputs, reference)]
-        return float("nan") if any(e != e for e in errors) else max(errors)
+        return float("nan") if any(math.isnan(e) for e in errors) else max(errors)
 
     def passes(self, dtype, rel_err):
         return rel_err < self.tolerance[dtype]  # False for NaN

@@ -73,7 +73,8 @@ def run(op="fwd", shapes=None, dtypes=None, json_path=None, plot_path=None, comp
     try:
         for index, case in enumerate(cases + host_cases):
             is_host_case = index >= len(cases)
-            records = _run_case(spec, target, impls, case, seed + 100 * index, is_host_case, copy_gbps)
+            records = _run_case(spec, target, impls, case, seed + 100 * index, is_host_case,
+                                copy_gbps)
             result["host_overhead" if is_host_case else "records"].extend(records)
             if json_path:
                 _write_json(result, json_path)
@@ -257,7 +258,7 @@ def main(argv=None):
                     "side by side with the peers found installed.")
     parser.add_argument("--op", default="fwd", choices=sorted(ops.OPS))
     parser.add_argument("--shapes", nargs="+", metavar="MxN",
-                        help="shapes as MxN, space or comma separated (default: the target's cases)")
+                        help="MxN, space or comma separated (default: the target's cases)")
     parser.add_argument("--dtypes", nargs="+", metavar="DTYPE",
                         help="bf16, fp16, fp32 (default: bf16, or the default cases)")
     parser.add_argument("--compare", default="all", metavar="PEERS",

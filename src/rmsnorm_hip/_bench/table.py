@@ -37,7 +37,7 @@ def _grid(records):
 
 
 def _cell(record, format_ok):
-    """'–' for a missing implementation, 'fail' for a failed check or call, else format_ok(record)."""
+    """'–' for a missing implementation, 'fail' for a failed check or call, else format_ok."""
     if record is None or record["status"] == "unavailable":
         return "–"
     return format_ok(record) if record["ok"] else "fail"
@@ -60,14 +60,27 @@ def _time_cell(record):
 
 
 def _host_cell(record):
-    # CPU host records have no separate device time
-    return _cell(record, lambda r: _num(r["host_us"]) + (f" / {_num(r['us'])}" if "us" in r else ""))
+    def format_ok(r):  # CPU host records have no separate device time
+        return _num(r["host_us"]) + (f" / {_num(r['us'])}" if "us" in r else "")
+
+    return _cell(record, format_ok)
 
 
-def _host_rows(host_records):
+def _case_rows(records, format_cell, label=lambda impl: impl):
+    """(header, rows) with one row per case and one column per implementation."""
+    cases, impls, cells = _grid(records)
+    header = ["shape", "dtype"] + [label(impl) for impl in impls]
+    rows = [[*_case_label(case)] + [format_cell(cells.get((case, impl))) for impl in impls]
+            for case in cases]
+    return header, rows
+
+
+def _host_rows(host_records, label=lambda impl: impl):
+    """(header, rows) with one row per implementation and one column per case."""
     cases, impls, cells = _grid(host_records)
     header = ["impl"] + [f"M={M} N={N} {SHORT_DTYPE.get(d, d)}" for M, N, d in cases]
-    rows = [[impl] + [_host_cell(cells.get((case, impl))) for case in cases] for impl in impls]
+    rows = [[label(impl)] + [_host_cell(cells.get((case, impl))) for case in cases]
+            for impl in impls]
     return header, rows
 
 
@@ -88,37 +101,35 @@ def _errors(records):
     grouped = {}
     for record in records:
         if not record["ok"]:
-            grouped.setdefault((record["impl"], record["error"]), []).append(
-                " ".join(_case_label(_case_key(record))))
+            case = " ".join(_case_label(_case_key(record)))
+            grouped.setdefault((record["impl"], record["error"]), []).append(case)
     return [f"  {impl}: {error}  [{', '.join(cases)}]" for (impl, error), cases in grouped.items()]
 
 
 def title(result):
-    env, method = result["environment"], result["method"]
-    timer = ("device time (CUPTI sum of kernels), L2 flushed before each call "
-             f"({method.get('l2_flush')})" if result["target"] == "cuda" else "median wall-clock time")
+    env, method, on_gpu = result["environment"], result["method"], result["target"] == "cuda"
+    timer = (f"device time (CUPTI sum of kernels), L2 flushed before each call "
+             f"({method.get('l2_flush')})" if on_gpu else "median wall-clock time")
     partial = " PARTIAL (interrupted)" if result.get("interrupted") else ""
-    return (f"rmsnorm_hip bench {result['op']}{partial} on {env.get('device')} ({result['target']}), "
-            f"{env.get('date', '')[:10]}: {timer}; GB/s over {method['bytes_formula']}; "
-            f"(%) of the measured copy bandwidth, {result['copy']['gbps']:.0f} GB/s")
+    return (f"rmsnorm_hip bench {result['op']}{partial} on {env.get('device')} "
+            f"({result['target']}), {env.get('date', '')[:10]}: {timer}; "
+            f"GB/s over {method['bytes_formula']}; (%) of the measured copy bandwidth, "
+            f"{result['copy']['gbps']:.0f} GB/s")
+
+
+def _host_caption(result, text):
+    return text + (" / device time per call, us" if result["target"] == "cuda" else "")
 
 
 def text_report(result):
     """The compact summary printed at the end of a run (the device tool returns only the tail)."""
-    cases, impls, cells = _grid(result["records"])
-    labels = [_case_label(case) for case in cases]
-    parts = [title(result), ""]
-    parts.append(_text_table(["shape", "dtype"] + impls,
-                             [[*label] + [_bandwidth_cell(cells.get((case, impl))) for impl in impls]
-                              for case, label in zip(cases, labels)]))
-    parts += ["", "us per call" + (" (device / CUDA events)" if result["target"] == "cuda" else "")]
-    parts.append(_text_table(["shape", "dtype"] + impls,
-                             [[*label] + [_time_cell(cells.get((case, impl))) for impl in impls]
-                              for case, label in zip(cases, labels)]))
+    on_gpu = result["target"] == "cuda"
+    parts = [title(result), "", _text_table(*_case_rows(result["records"], _bandwidth_cell)),
+             "", "us per call" + (" (device / CUDA events)" if on_gpu else ""),
+             _text_table(*_case_rows(result["records"], _time_cell))]
     if result["host_overhead"]:
-        parts += ["", "host us per call, 1000 calls + 1 sync (median of 3)"
-                  + (" / device us" if result["target"] == "cuda" else "")]
-        parts.append(_text_table(*_host_rows(result["host_overhead"])))
+        caption = _host_caption(result, "host us per call, 1000 calls + 1 sync (median of 3)")
+        parts += ["", caption, _text_table(*_host_rows(result["host_overhead"]))]
     errors = _errors(result["records"] + result["host_overhead"])
     if errors:
         parts += ["", "errors:"] + errors
@@ -127,20 +138,18 @@ def text_report(result):
 
 def markdown(result):
     """Markdown for the README: the GB/s table, then the host-overhead table."""
-    cases, impls, cells = _grid(result["records"])
-    header = ["shape", "dtype"] + [LABELS.get(impl, impl) for impl in impls]
-    rows = [[*_case_label(case)] + [_bandwidth_cell(cells.get((case, impl))) for impl in impls]
-            for case in cases]
+    label = lambda impl: LABELS.get(impl, impl)  # noqa: E731
+    header, rows = _case_rows(result["records"], _bandwidth_cell, label)
     parts = [title(result) + ".", "", _markdown_table(header, rows, right_from=2)]
     if result["host_overhead"]:
-        header, rows = _host_rows(result["host_overhead"])
-        rows = [[LABELS.get(row[0], row[0])] + row[1:] for row in rows]
-        device = " / device time per call, us" if result["target"] == "cuda" else ""
-        parts += ["", f"Host wall time per call, us (1000 calls + one sync, median of 3 runs){device}:",
-                  "", _markdown_table(header, rows)]
+        caption = _host_caption(
+            result, "Host wall time per call, us (1000 calls + one sync, median of 3 runs)")
+        parts += ["", caption + ":", "",
+                  _markdown_table(*_host_rows(result["host_overhead"], label))]
     versions = result["environment"].get("versions", {})
     if versions:
-        parts += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) + "."]
+        listed = ", ".join(f"{name} {version}" for name, version in sorted(versions.items()))
+        parts += ["", f"Versions: {listed}."]
     return "\n".join(parts)
 
 

@@ -17,7 +17,7 @@ SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 # Distributions whose versions go into the JSON (absent ones are skipped).
 _DISTRIBUTIONS = (
-    "torch", "triton", "numpy", "numba", "numba-cuda", "cupy-cuda13x", "ml_dtypes",
+    "torch", "triton", "numpy", "numba", "numba-cuda", "cuda-bindings", "cupy-cuda13x", "ml_dtypes",
     "liger-kernel", "quack-kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi", "rmsnorm-hip",
 )
 
@@ -89,7 +89,7 @@ class CudaTarget:
         return self._as_tensor(array).to(self.torch.float64)
 
     def rel_err(self, out, ref):
-        """||out - ref|| / ||ref|| in float64; NaN when out holds NaN or Inf, or shapes differ."""
+        """||out - ref|| / ||ref|| in float64; NaN or Inf (both fail) for bad values or shapes."""
         out = self._as_tensor(out)
         if tuple(out.shape) != tuple(ref.shape):
             return float("nan")

@@ -49,15 +49,29 @@ class GpuBackend:
             plan = self._plans[key] = (kernel, spec.rows, (spec.layout.threads, spec.rows, 1))
         return plan
 
-    def launch_fwd(self, kernels, x_ptr, w_ptr, y_ptr, rstd_ptr, m, x_stride, eps, weight_offset,
-                   stream):
-        """The repeat-call path: pointers in, launch out (y contiguous)."""
-        vector_key, scalar_key = kernels
-        key = (vector_key if vector_key is not None and not (x_ptr | w_ptr | y_ptr) & _ALIGN_MASK
-               else scalar_key)
-        kernel, rows, block = self._plans.get(key) or self._fwd_plan(key)
-        self.launch(kernel, ((m + rows - 1) // rows, 1, 1), block,
-                    (x_ptr, w_ptr, y_ptr, rstd_ptr, m, x_stride, key[0], eps, weight_offset), stream)
+    def fwd_runner(self, io, shape, m, n, x_stride, dtype, weight_dtype, return_rstd):
+        """``run(x, weight, eps, weight_offset)`` for repeat calls with this metadata: everything
+        but pointers, outputs and the stream is decided here, once."""
+        vector_key, scalar_key = self.fwd_kernels(n, dtype, weight_dtype, return_rstd, x_stride)
+        alloc_y = io.allocator(shape, dtype)
+        alloc_rstd = io.allocator((m,), _dtypes.FLOAT32)
+        ptr, stream, launch, plans = io.ptr, io.stream, self.launch, self._plans
+        mask = 0 if vector_key is None else _ALIGN_MASK
+
+        def run(x, weight, eps, weight_offset):
+            y = alloc_y()
+            rstd = alloc_rstd() if return_rstd else None
+            if m:
+                x_ptr, y_ptr = ptr(x), ptr(y)
+                w_ptr = 0 if weight is None else ptr(weight)
+                key = vector_key if mask and not (x_ptr | w_ptr | y_ptr) & mask else scalar_key
+                kernel, rows, block = plans.get(key) or self._fwd_plan(key)
+                launch(kernel, ((m + rows - 1) // rows, 1, 1), block,
+                       (x_ptr, w_ptr, y_ptr, 0 if rstd is None else ptr(rstd), m, x_stride, n,
+                        eps, weight_offset), stream())
+            return (y, rstd) if return_rstd else y
+
+        return run
 
     def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset):
         vector_key, scalar_key = self.fwd_kernels(

@@ -42,6 +42,34 @@ def _targeting(arch):
                 m.get_current_device = original
 
 
+_attributes_patched = False
+
+
+def _reset_target_attributes_per_link():
+    """numba-hip 0.2.1 adds ``"target-cpu"`` / ``"target-features"`` to a code library's function
+    attributes each time it links for an arch, and never removes them.  Device helpers are compiled
+    once per process and shared by every kernel, so after one link for gfx950 they carry the
+    attributes of both arches; a later gfx942 kernel then cannot inline them (the callee's features
+    are not a subset of the caller's) and calls them through the stack: scratch, 2x VGPRs.  Drop
+    the previous arch's attributes before numba-hip applies the current one's."""
+    global _attributes_patched
+    if _attributes_patched:
+        return
+    from numba.hip.codegen import HIPCodeLibrary
+
+    apply = HIPCodeLibrary._apply_llvm_amdgpu_modifications
+
+    def apply_for_one_arch(self, amdgpu_arch=None):
+        for fn in self._module.functions:
+            stale = [a for a in fn.attributes if isinstance(a, str) and a.startswith('"target-')]
+            for attribute in stale:
+                set.discard(fn.attributes, attribute)
+        return apply(self, amdgpu_arch)
+
+    HIPCodeLibrary._apply_llvm_amdgpu_modifications = apply_for_one_arch
+    _attributes_patched = True
+
+
 def _compile_library(pyfunc, argtypes, arch):
     """numba-hip's kernel code library of ``pyfunc`` for ``arch`` (typed, lowered, wrapped)."""
     from ..intrinsics import hip as _  # noqa: F401  (imports numba.hip the way it must be)
@@ -50,6 +78,7 @@ def _compile_library(pyfunc, argtypes, arch):
 
     options = {"fastmath": False, "opt": 3}
     with _targeting(arch):
+        _reset_target_attributes_per_link()
         cres = compiler.compile_hip(pyfunc, types.void, tuple(argtypes), options=options,
                                     amdgpu_arch=arch)
         code = pyfunc.__code__
@@ -59,33 +88,46 @@ def _compile_library(pyfunc, argtypes, arch):
     return library
 
 
-def compile_code_object(pyfunc, argtypes, arch, listing=True):
-    """Compile a kernel for AMD ``arch`` (e.g. ``"gfx942"``) without a GPU.
+def compile_code_objects(pyfunc, argtypes, archs, listing=True):
+    """Compile a kernel for each AMD arch in ``archs`` (e.g. ``("gfx942", "gfx950")``) without a
+    GPU: ``{arch: (code_object, isa, metadata)}``.
 
-    Returns ``(code_object, isa, metadata)``: the HSA code object (ELF bytes, what
-    ``hipModuleLoadData`` takes), the ``-O3`` ISA listing with LLVM's per-kernel resource comments
-    (``""`` when ``listing`` is false) and the code object's ``amdhsa`` metadata (a dict:
-    ``amdhsa.kernels[0]`` has ``.name``, ``.vgpr_count``, ``.sgpr_count``, ``.agpr_count``,
-    ``.vgpr_spill_count``, ``.sgpr_spill_count``, ``.private_segment_fixed_size``,
-    ``.group_segment_fixed_size``, ...).
+    Typing and lowering run once (numba-hip's LLVM IR does not depend on the arch until it is
+    linked with the HIP device library); linking and code generation run per arch.
+    ``code_object`` is the HSA code object (ELF bytes, what ``hipModuleLoadData`` takes), ``isa``
+    the ``-O3`` ISA listing with LLVM's per-kernel resource comments (``""`` when ``listing`` is
+    false) and ``metadata`` the code object's ``amdhsa`` metadata as a dict
+    (``metadata["amdhsa.kernels"][0]`` has ``.name``, ``.vgpr_count``, ``.sgpr_count``,
+    ``.agpr_count``, ``.vgpr_spill_count``, ``.sgpr_spill_count``,
+    ``.private_segment_fixed_size``, ``.group_segment_fixed_size``, ...; values are strings).
 
-    The listing is a second code generation from the same linked bitcode with ``-O3``, the options
+    The listing is a second code generation from the same linked bitcode with ``-O3``, the option
     COMGR uses for the code object; numba-hip's own ``inspect_asm`` runs the BC-to-assembly action
     without ``-O`` and does not describe the code object.
     """
     from rocm import comgr
 
-    library = _compile_library(pyfunc, argtypes, arch)
-    with _targeting(arch):
-        code_object = bytes(library.get_codeobj(amdgpu_arch=arch))
-        isa = ""
-        if listing:
-            linked = library.get_linked_llvm_ir(amdgpu_arch=arch, to_bc=True,
-                                                link_in_hipdevicelib=True)
-            isa = comgr.compile_bc_to_hsa(linked, isa_name=f"amdgcn-amd-amdhsa--{arch}",
-                                          extra_opts=["-O3"])[0].decode()
-    metadata = comgr.parse_code_obj_metadata(code_object, len(code_object))
-    return code_object, isa, metadata
+    archs = list(archs)
+    library = _compile_library(pyfunc, argtypes, archs[0])
+    out = {}
+    for arch in archs:
+        with _targeting(arch):
+            code_object = bytes(library.get_codeobj(amdgpu_arch=arch))
+            isa = ""
+            if listing:
+                linked = library.get_linked_llvm_ir(amdgpu_arch=arch, to_bc=True,
+                                                    link_in_hipdevicelib=True)
+                isa = comgr.compile_bc_to_hsa(linked, isa_name=f"amdgcn-amd-amdhsa--{arch}",
+                                              extra_opts=["-O3"])[0].decode()
+        metadata = comgr.parse_code_obj_metadata(code_object, len(code_object))
+        out[arch] = (code_object, isa, metadata)
+    return out
+
+
+def compile_code_object(pyfunc, argtypes, arch, listing=True):
+    """``(code_object, isa, metadata)`` of a kernel for AMD ``arch`` (e.g. ``"gfx942"``), no GPU
+    needed; see :func:`compile_code_objects`."""
+    return compile_code_objects(pyfunc, argtypes, (arch,), listing)[arch]
 
 
 def kernel_name(metadata):

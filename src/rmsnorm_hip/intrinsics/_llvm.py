@@ -164,3 +164,47 @@ def define_ptx_pack(intrinsic, instruction):
         return types.uint32(lo, hi), codegen
 
     return pack
+
+
+def define_ptx_global_access(intrinsic, load_op, store_op):
+    """128-bit load / store through explicit PTX (``ld.global.nc.L2::256B.v4.u32`` etc.), for the
+    cache hints LLVM's plain load cannot express."""
+
+    def address(context, builder, sig, args):
+        index = context.cast(builder, args[1], sig.args[1], types.int64)
+        return builder.ptrtoint(builder.gep(args[0], [index]), ir.IntType(64))
+
+    @intrinsic
+    def load_b128(typingctx, ptr, idx):
+        if not is_pointer_index(ptr, idx):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(ptr, idx)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.LiteralStructType([I32] * 4), [ir.IntType(64)])
+            asm = ir.InlineAsm(fnty, f"{load_op} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,l",
+                               side_effect=False)
+            words = builder.call(asm, [address(context, builder, sig, args)])
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(words, k) for k in range(4)])
+
+        return sig, codegen
+
+    @intrinsic
+    def store_b128(typingctx, ptr, idx, w0, w1, w2, w3):
+        if not is_pointer_index(ptr, idx):
+            return None
+        sig = types.void(ptr, idx, w0, w1, w2, w3)
+
+        def codegen(context, builder, sig, args):
+            words = [context.cast(builder, args[2 + k], sig.args[2 + k], types.uint32)
+                     for k in range(4)]
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [I32] * 4)
+            asm = ir.InlineAsm(fnty, f"{store_op} [$0], {{$1, $2, $3, $4}};", "l,r,r,r,r",
+                               side_effect=True)
+            builder.call(asm, [address(context, builder, sig, args)] + words)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return load_b128, store_b128

@@ -11,9 +11,14 @@ from .. import _dtypes
 
 CHUNK_BYTES = 16            # one 128-bit access: 8 16-bit or 4 32-bit elements
 MAX_THREADS = 1024          # per row
-CHUNKS_PER_THREAD = 2       # target: two 128-bit loads in flight per thread per row
+# target 128-bit loads in flight per thread per row.  H200, bf16, CUDA events + L2 flush
+# (benchmarks/NOTES.md): 1 -> 65-79% of copy at 32768x4096 / 4096x4096, 2 -> 94/74, 3 -> 95/75,
+# 4 -> 95/75; 3 was best or tied at every LLM shape (1024x8192: 59 vs 56/57).
+CHUNKS_PER_THREAD = 3
 MAX_CACHED_FLOATS = 32      # row values a thread keeps in registers between the two passes
-BLOCK_THREADS = 256         # multi-row blocks for small N; >= 64 so AMD wavefronts are full
+# threads per block when a row needs fewer (several rows per block); >= 64 so AMD wavefronts
+# are full.  128 and 512 tied within 1 point at every shape on the H200 sweep.
+BLOCK_THREADS = 128
 
 
 def ceil_div(a, b):

@@ -63,7 +63,7 @@ def make_row_sumsq(intr, dtype):
 
 def make_cpu_rmsnorm_fwd(intr, dtype, weight_dtype, parallel):
     """fwd(x (M, N), weight (N,), y (M, N), rstd (M,), eps, weight_offset, store_rstd) in storage
-    dtypes; rows may be strided.  ``parallel`` spreads rows over cores (worth it past ~64K
+    dtypes; rows may be strided.  ``parallel`` spreads rows over cores (worth it past ~1M
     elements: waking the thread pool costs milliseconds on small inputs)."""
     decode, encode = _decoder(intr, dtype), _encoder(intr, dtype)
     decode_w = _decoder(intr, weight_dtype or _dtypes.FLOAT32)
