@@ -2,9 +2,8 @@
 
 Device time per call as the benchmark measures it (CUPTI kernel time, 256 MB write flush before
 each call; rmsnorm_hip._bench.timing), for each shape under candidate geometries (chunks per
-thread: kernels/_config.CHUNKS_PER_THREAD, patched here) and 128-bit access forms (the
-RMSNORM_HIP_CUDA_LOAD / _STORE knobs of intrinsics/cuda.py: one worker process per form, since
-the intrinsics are built once per process).  Results feed the frozen constants in _config.py.
+thread: kernels/_config.CHUNKS_PER_THREAD, patched here) and grid forms (one-shot or
+persistent, one worker process each), and one-shot against persistent grids.  Results feed the frozen constants in _config.py.
 """
 import argparse
 import json
@@ -13,8 +12,9 @@ import subprocess
 import sys
 
 SHAPES = [(32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192), (4096, 5000)]
-FORMS = [("plain", "plain"), ("nc", "plain"), ("nc256", "plain"), ("l2_256", "plain"),
-         ("nc256", "cs")]
+# worker variants: the env it runs under (one process each)
+FORMS = [("one-shot", {"RMSNORM_HIP_TUNE_PERSISTENT": "0"}),
+         ("persistent", {"RMSNORM_HIP_TUNE_PERSISTENT": "1"})]
 CHUNKS = (2, 3, 4)
 
 
@@ -27,6 +27,7 @@ def worker():
     from rmsnorm_hip.kernels import _config
 
     flush = timing.L2Flush("write")
+    _config.PERSISTENT = os.environ.get("RMSNORM_HIP_TUNE_PERSISTENT", "1") == "1"
     cases = [(m, n, torch.bfloat16) for m, n in SHAPES] + [(4096, 4096, torch.float32)]
     for m, n, dtype in cases:
         x = torch.randn(m, n, device="cuda", dtype=dtype)
@@ -53,28 +54,28 @@ def main():
     from rmsnorm_hip._bench import timing
     copy = timing.cuda_copy_bandwidth()["gbps"]
     rows = []
-    for load, store in FORMS:
-        env = dict(os.environ, RMSNORM_HIP_CUDA_LOAD=load, RMSNORM_HIP_CUDA_STORE=store)
+    for form, form_env in FORMS:
+        env = dict(os.environ, **form_env)
         done = subprocess.run([sys.executable, __file__, "--worker"], env=env, text=True,
                               capture_output=True)
         if done.returncode:
-            print(f"{load}/{store} failed:\n{done.stderr[-2000:]}", flush=True)
+            print(f"{form} failed:\n{done.stderr[-2000:]}", flush=True)
             continue
         for line in done.stdout.splitlines():
             if line.startswith("{"):
-                rows.append(dict(json.loads(line), load=load, store=store))
+                rows.append(dict(json.loads(line), form=form))
     with open(os.path.join(args.out, "tune_fwd.json"), "w") as f:
         json.dump(dict(copy=copy, rows=rows), f, indent=1)
     copy_gbps = copy
     print(f"copy: {copy:.0f} GB/s")
     shapes = sorted({(r["m"], r["n"], r["dtype"]) for r in rows}, key=lambda s: -s[0] * s[1])
-    header = [f"{l}/{s}:{c}" for l, s in FORMS for c in CHUNKS]
+    header = [f"{f}:{c}" for f, _ in FORMS for c in CHUNKS]
     print("shape               " + " ".join(f"{h:>14s}" for h in header))
     for m, n, dt in shapes:
         cells = []
-        for l, s in FORMS:
+        for f, _ in FORMS:
             for c in CHUNKS:
-                r = [r for r in rows if (r["m"], r["n"], r["dtype"], r["load"], r["store"], r["chunks"]) == (m, n, dt, l, s, c)]
+                r = [r for r in rows if (r["m"], r["n"], r["dtype"], r["form"], r["chunks"]) == (m, n, dt, f, c)]
                 cells.append(f"{r[0]['GBps']:>8.0f}" + (f"({100 * r[0]['GBps'] / copy_gbps:3.0f})" if r and copy_gbps else "     ") if r else f"{'-':>14s}")
         print(f"{m}x{n} {dt[6:]:9s} " + " ".join(f"{c:>14s}" for c in cells))
 

@@ -30,6 +30,10 @@ class GpuBackend:
     def stream_for(self, info):
         return _arrays.current_stream(info)
 
+    def resident_blocks(self, kernel, block_threads):
+        """Blocks of ``kernel`` the whole device holds at once (backends refine this)."""
+        return max(1, 2048 // block_threads) * getattr(self, "sm_count", 1)
+
     # ---- forward -------------------------------------------------------------------------
     @staticmethod
     def fwd_kernels(n, dtype, weight_dtype, store_rstd, x_stride, y_stride=None):
@@ -42,12 +46,27 @@ class GpuBackend:
         return ((n, dtype, weight_dtype, True, store_rstd) if strides_ok else None), scalar
 
     def _fwd_plan(self, key):
+        """(kernel, rows per block, block, blocks resident on the device) of a variant key
+        (key[:5] as fwd_kernels gives them, key[5]: persistent)."""
         plan = self._plans.get(key)
         if plan is None:
             spec = _config.fwd_spec(*key)
             kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
-            plan = self._plans[key] = (kernel, spec.rows, (spec.layout.threads, spec.rows, 1))
+            block = (spec.layout.threads, spec.rows, 1)
+            capacity = self.resident_blocks(kernel, block[0] * block[1])
+            plan = self._plans[key] = (kernel, spec.rows, block, capacity,
+                                       _config.PERSISTENT and spec.layout.cached)
         return plan
+
+    def _fwd_launch_shape(self, key, m):
+        """(kernel, grid, block) for m rows: one-shot while one wave of blocks covers M, else the
+        persistent variant on as many blocks as the device holds."""
+        kernel, rows, block, capacity, persistable = self._plans.get(key) or self._fwd_plan(key)
+        blocks = (m + rows - 1) // rows
+        if persistable and blocks > capacity * _config.PERSISTENT_MIN_WAVES:
+            kernel, rows, block, capacity, _ = self._fwd_plan(key + (True,))
+            blocks = min(blocks, capacity)
+        return kernel, (blocks, 1, 1), block
 
     def fwd_runner(self, io, shape, m, n, x_stride, dtype, weight_dtype, return_rstd):
         """``run(x, weight, eps, weight_offset)`` for repeat calls with this metadata: everything
@@ -55,8 +74,9 @@ class GpuBackend:
         vector_key, scalar_key = self.fwd_kernels(n, dtype, weight_dtype, return_rstd, x_stride)
         alloc_y = io.allocator(shape, dtype)
         alloc_rstd = io.allocator((m,), _dtypes.FLOAT32)
-        ptr, stream, launch, plans = io.ptr, io.stream, self.launch, self._plans
+        ptr, stream, launch = io.ptr, io.stream, self.launch
         mask = 0 if vector_key is None else _ALIGN_MASK
+        shapes = {}
 
         def run(x, weight, eps, weight_offset):
             y = alloc_y()
@@ -65,8 +85,8 @@ class GpuBackend:
                 x_ptr, y_ptr = ptr(x), ptr(y)
                 w_ptr = 0 if weight is None else ptr(weight)
                 key = vector_key if mask and not (x_ptr | w_ptr | y_ptr) & mask else scalar_key
-                kernel, rows, block = plans.get(key) or self._fwd_plan(key)
-                launch(kernel, ((m + rows - 1) // rows, 1, 1), block,
+                shape_ = shapes.get(key) or shapes.setdefault(key, self._fwd_launch_shape(key, m))
+                launch(shape_[0], shape_[1], shape_[2],
                        (x_ptr, w_ptr, y_ptr, 0 if rstd is None else ptr(rstd), m, x_stride, n,
                         eps, weight_offset), stream())
             return (y, rstd) if return_rstd else y
@@ -79,7 +99,7 @@ class GpuBackend:
             y_stride)
         pointers = x.ptr | y.ptr | (weight.ptr if weight is not None else 0)
         key = vector_key if vector_key is not None and not pointers & _ALIGN_MASK else scalar_key
-        kernel, rows, block = self._plans.get(key) or self._fwd_plan(key)
+        kernel, grid, block = self._fwd_launch_shape(key, m)
         args = (self.arg(x, x.dtype), self.arg(weight, _dtypes.FLOAT32), self.arg(y, y.dtype),
                 self.arg(rstd, _dtypes.FLOAT32), m, x_stride, y_stride, eps, weight_offset)
-        self.launch(kernel, ((m + rows - 1) // rows, 1, 1), block, args, self.stream_for(x))
+        self.launch(kernel, grid, block, args, self.stream_for(x))

@@ -1,5 +1,9 @@
-"""numba-cuda intrinsics (NVIDIA): 32-lane warps, ``shfl_xor_sync``."""
-import os
+"""numba-cuda intrinsics (NVIDIA): 32-lane warps, ``shfl_xor_sync``.
+
+128-bit accesses stay plain LLVM loads/stores: the same accesses written as inline PTX with cache
+hints (ld.global.nc, .L2::256B, st.global.cs) measured 3-15 points slower on the H200 at every LLM
+shape (benchmarks/NOTES.md), since inline asm cannot be scheduled across.
+"""
 from types import SimpleNamespace
 
 from .. import _compat  # noqa: F401  (NumPy 2.5 alias before numba.cuda is imported)
@@ -10,10 +14,7 @@ from numba.cuda.extending import intrinsic
 from . import _llvm, _shared
 
 WARP = 32
-# tuning knobs for the 128-bit accesses (benchmarks/tune_fwd.py); "plain" is LLVM's own load/store
-_LOADS = {"plain": None, "nc": "ld.global.nc.v4.u32", "nc256": "ld.global.nc.L2::256B.v4.u32",
-          "l2_256": "ld.global.L2::256B.v4.u32"}
-_STORES = {"plain": None, "cs": "st.global.cs.v4.u32"}
+
 _FULL_MASK = 0xFFFFFFFF
 
 
@@ -36,12 +37,5 @@ def build():
         return uint16(pack_bf16x2(value, float32(0.0)) & uint32(0xFFFF))
 
     shared.update(pack_bf16x2=pack_bf16x2, f32_to_bf16=f32_to_bf16)
-    load_op = _LOADS[os.environ.get("RMSNORM_HIP_CUDA_LOAD", "plain")]
-    store_op = _STORES[os.environ.get("RMSNORM_HIP_CUDA_STORE", "plain")]
-    if load_op or store_op:
-        load, store = _llvm.define_ptx_global_access(intrinsic, load_op or "ld.global.v4.u32",
-                                                     store_op or "st.global.v4.u32")
-        compiled.update(load_b128=load if load_op else compiled["load_b128"],
-                        store_b128=store if store_op else compiled["store_b128"])
     return SimpleNamespace(name="cuda", warp=WARP, gpu=cuda, jitable=register_jitable,
                            **compiled, **shared)

@@ -38,7 +38,11 @@ def _shfl_xor(value, offset):
 
 def build():
     compiled = _llvm.define(intrinsic)
-    shared = _shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
-                           _shfl_xor)
+    shared = vars(_shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
+                                _shfl_xor))
+    # float16 through the hardware conversions (v_cvt_f32_f16 / v_cvt_f16_f32: round to nearest
+    # even, f16 denormals kept by the default float mode).  The integer form's branches keep LLVM
+    # from unrolling the chunk loop, and the row cache then lives in scratch memory.
+    shared.update(_llvm.define_hw_f16(intrinsic))
     return SimpleNamespace(name="hip", warp=WARP, gpu=hip, jitable=register_jitable,
-                           **compiled, **vars(shared))
+                           **compiled, **shared)

@@ -71,10 +71,17 @@ class FwdSpec:
     weight: str             # weight dtype, or "" for no weight
     vector: bool            # 128-bit accesses (row starts, strides and weight 16-byte aligned)
     store_rstd: bool
+    persistent: bool = False  # a grid of resident blocks walks the rows, prefetching the next one
 
 
-def fwd_spec(n, dtype, weight, vector, store_rstd):
+# the persistent (grid-stride, prefetching) forward: taken when M exceeds what one wave of blocks
+# holds (PERSISTENT_MIN_WAVES waves of blocks); cached layouts only
+PERSISTENT = True
+PERSISTENT_MIN_WAVES = 1.0
+
+
+def fwd_spec(n, dtype, weight, vector, store_rstd, persistent=False):
     """The forward kernel a call runs (the dispatcher's only decision for the forward)."""
     layout = row_layout(n, dtype)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
-                   vector=vector, store_rstd=store_rstd)
+                   vector=vector, store_rstd=store_rstd, persistent=persistent and layout.cached)

@@ -117,7 +117,8 @@ def make_chunk_sumsq(intr, chunk):
 
 def make_row_sum(intr, threads):
     """Sum a float32 over the ``threads`` threads of a row (threadIdx.x), every thread gets it.
-    Lanes of a warp combine by xor-butterfly, warps of a row through ``red[row_in_block, :]``."""
+    Lanes of a warp combine by xor-butterfly, warps of a row through ``red[buf, row_in_block, :]``
+    (``buf`` alternates between consecutive reductions of a block, so one barrier each suffices)."""
     warp = intr.warp
     lanes = min(threads, warp)
     warps_per_row = ceil_div(threads, warp)
@@ -125,15 +126,15 @@ def make_row_sum(intr, threads):
     gpu = intr.gpu
 
     @intr.jitable
-    def row_sum(value, red, ty, tx):
+    def row_sum(value, red, buf, ty, tx):
         value = warp_sum(value, lanes)
         if warps_per_row > 1:
             if tx % warp == 0:
-                red[ty, tx // warp] = value
+                red[buf, ty, tx // warp] = value
             gpu.syncthreads()
-            value = red[ty, 0]
+            value = red[buf, ty, 0]
             for i in range(1, warps_per_row):
-                value += red[ty, i]
+                value += red[buf, ty, i]
         return value
 
     return row_sum, warps_per_row
