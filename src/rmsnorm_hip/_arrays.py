@@ -271,32 +271,25 @@ def _contiguous(shape):
 # per key (functional.py caches a runner under it); a repeat call then only reads pointers,
 # allocates its outputs and launches.  torch and CuPy device arrays have a cheap key.
 
-def _param_key(w, lib_key):
-    if w is None:
-        return None
-    key = lib_key(w)
-    return key if key is not None else (type(w), id(w))
-
-
-def _torch_key(t):
-    if t.is_cuda:
-        return (t.dtype, t.shape, t.stride(), t.get_device())
-    return None
-
-
-def _cupy_key(a):
-    return (a.dtype, a.shape, a.strides, a.device.id)
-
-
 def fast_key(x, weight, flags):
     """Hashable key of a call's metadata, or None when ``x`` has no fast path."""
-    torch = _torch()
+    torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        key = _torch_key(x)
-        return None if key is None else ("torch", key, _param_key(weight, _torch_key), flags)
-    cupy = _cupy()
+        if not x.is_cuda:
+            return None
+        if weight is None:
+            w_key = None
+        elif isinstance(weight, torch.Tensor):
+            w_key = (weight.dtype, weight.shape, weight.stride(), weight.get_device())
+        else:
+            w_key = (type(weight), id(weight))   # never planned: full validation rejects it
+        return (x.dtype, x.shape, x.stride(), x.get_device(), w_key, flags)
+    cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
-        return ("cupy", _cupy_key(x), _param_key(weight, _cupy_key), flags)
+        w_key = (None if weight is None else
+                 (weight.dtype, weight.shape, weight.strides, weight.device.id)
+                 if isinstance(weight, cupy.ndarray) else (type(weight), id(weight)))
+        return ("cupy", x.dtype, x.shape, x.strides, x.device.id, w_key, flags)
     return None
 
 

@@ -15,6 +15,7 @@ __all__ = ["rms_norm"]
 
 _fwd_runners = {}
 _MAX_RUNNERS = 4096
+_INF = math.inf
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rstd=False,
@@ -42,16 +43,13 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
         key = _arrays.fast_key(x, weight, return_rstd)
         if key is not None:
             run = _fwd_runners.get(key)
-            if run is not None and _fast_scalars_ok(eps, weight_offset, weight):
+            # scalars a runner may take as they are; anything else goes through full validation
+            if (run is not None and type(eps) is float and 0.0 <= eps < _INF
+                    and type(weight_offset) is float and -_INF < weight_offset < _INF
+                    and (weight is not None or weight_offset == 0.0)):
                 return run(x, weight, eps, weight_offset)
             return _rms_norm(x, weight, eps, weight_offset, None, return_rstd, None, key)
     return _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, None)
-
-
-def _fast_scalars_ok(eps, weight_offset, weight):
-    """Scalars a runner may take as they are; anything else goes through full validation."""
-    return (type(eps) is float and 0.0 <= eps < math.inf and type(weight_offset) is float
-            and -math.inf < weight_offset < math.inf and (weight is not None or weight_offset == 0.0))
 
 
 def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):

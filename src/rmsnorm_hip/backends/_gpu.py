@@ -30,10 +30,6 @@ class GpuBackend:
     def stream_for(self, info):
         return _arrays.current_stream(info)
 
-    def resident_blocks(self, kernel, block_threads):
-        """Blocks of ``kernel`` the whole device holds at once (backends refine this)."""
-        return max(1, 2048 // block_threads) * getattr(self, "sm_count", 1)
-
     # ---- forward -------------------------------------------------------------------------
     @staticmethod
     def fwd_kernels(n, dtype, weight_dtype, store_rstd, x_stride, y_stride=None):
@@ -46,27 +42,18 @@ class GpuBackend:
         return ((n, dtype, weight_dtype, True, store_rstd) if strides_ok else None), scalar
 
     def _fwd_plan(self, key):
-        """(kernel, rows per block, block, blocks resident on the device) of a variant key
-        (key[:5] as fwd_kernels gives them, key[5]: persistent)."""
+        """(kernel, rows per block, block) of a variant key as fwd_kernels gives them."""
         plan = self._plans.get(key)
         if plan is None:
             spec = _config.fwd_spec(*key)
             kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
-            block = (spec.layout.threads, spec.rows, 1)
-            capacity = self.resident_blocks(kernel, block[0] * block[1])
-            plan = self._plans[key] = (kernel, spec.rows, block, capacity,
-                                       _config.PERSISTENT and spec.layout.cached)
+            plan = self._plans[key] = (kernel, spec.rows, (spec.layout.threads, spec.rows, 1))
         return plan
 
     def _fwd_launch_shape(self, key, m):
-        """(kernel, grid, block) for m rows: one-shot while one wave of blocks covers M, else the
-        persistent variant on as many blocks as the device holds."""
-        kernel, rows, block, capacity, persistable = self._plans.get(key) or self._fwd_plan(key)
-        blocks = (m + rows - 1) // rows
-        if persistable and blocks > capacity * _config.PERSISTENT_MIN_WAVES:
-            kernel, rows, block, capacity, _ = self._fwd_plan(key + (True,))
-            blocks = min(blocks, capacity)
-        return kernel, (blocks, 1, 1), block
+        """(kernel, grid, block) for m rows."""
+        kernel, rows, block = self._plans.get(key) or self._fwd_plan(key)
+        return kernel, ((m + rows - 1) // rows, 1, 1), block
 
     def fwd_runner(self, io, shape, m, n, x_stride, dtype, weight_dtype, return_rstd):
         """``run(x, weight, eps, weight_offset)`` for repeat calls with this metadata: everything

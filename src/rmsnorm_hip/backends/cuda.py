@@ -127,11 +127,6 @@ class CudaBackend(GpuBackend):
     def arg(info, dtype):
         return info.ptr if info is not None else 0
 
-    def resident_blocks(self, kernel, block_threads):
-        per_sm = _check(self._driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            kernel.function, block_threads, 0), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-        return max(1, per_sm) * self.sm_count
-
     def launch(self, kernel, grid, block, args, stream):
         params = kernel.args.pack(args)
         err = self._launch(kernel.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],

@@ -11,10 +11,11 @@ from .. import _dtypes
 
 CHUNK_BYTES = 16            # one 128-bit access: 8 16-bit or 4 32-bit elements
 MAX_THREADS = 1024          # per row
-# target 128-bit loads in flight per thread per row.  H200, bf16, CUDA events + L2 flush
-# (benchmarks/NOTES.md): 1 -> 65-79% of copy at 32768x4096 / 4096x4096, 2 -> 94/74, 3 -> 95/75,
-# 4 -> 95/75; 3 was best or tied at every LLM shape (1024x8192: 59 vs 56/57).
-CHUNKS_PER_THREAD = 3
+# target 128-bit loads in flight per thread per row, by element size.  H200, CUPTI device time,
+# write flush (benchmarks/NOTES.md, results/tune_fwd_*.json), % of copy:
+#   bf16 chunks 2/3/4: 32768x4096 96/97/97, 4096x4096 83/85/84, 1024x8192 69/71/70
+#   fp32 4096x4096: 88/89/94
+CHUNKS_PER_THREAD = {2: 3, 4: 4}
 MAX_CACHED_FLOATS = 32      # row values a thread keeps in registers between the two passes
 # threads per block when a row needs fewer (several rows per block); >= 64 so AMD wavefronts
 # are full.  128 and 512 tied within 1 point at every shape on the H200 sweep.
@@ -45,14 +46,15 @@ class RowLayout:
 
 def row_layout(n, dtype):
     """The per-row reduction shape: a function of ``n`` and ``dtype`` only (batch invariance)."""
-    chunk = CHUNK_BYTES // _dtypes.ITEMSIZE[dtype]
+    itemsize = _dtypes.ITEMSIZE[dtype]
+    chunk = CHUNK_BYTES // itemsize
     n_chunks = ceil_div(n, chunk)
     if n_chunks <= 32:
         # a power of two so the butterfly stays inside aligned lane groups on 32- and 64-lane warps
         threads = next_pow2(n_chunks)
     else:
         # a multiple of 64 is a whole number of warps on NVIDIA and of wavefronts on AMD
-        threads = min(MAX_THREADS, 64 * ceil_div(ceil_div(n_chunks, CHUNKS_PER_THREAD), 64))
+        threads = min(MAX_THREADS, 64 * ceil_div(ceil_div(n_chunks, CHUNKS_PER_THREAD[itemsize]), 64))
     per_thread = ceil_div(n_chunks, threads)
     return RowLayout(n=n, chunk=chunk, threads=threads, chunks_per_thread=per_thread,
                      cached=per_thread * chunk <= MAX_CACHED_FLOATS)
@@ -71,17 +73,10 @@ class FwdSpec:
     weight: str             # weight dtype, or "" for no weight
     vector: bool            # 128-bit accesses (row starts, strides and weight 16-byte aligned)
     store_rstd: bool
-    persistent: bool = False  # a grid of resident blocks walks the rows, prefetching the next one
 
 
-# the persistent (grid-stride, prefetching) forward: taken when M exceeds what one wave of blocks
-# holds (PERSISTENT_MIN_WAVES waves of blocks); cached layouts only
-PERSISTENT = True
-PERSISTENT_MIN_WAVES = 1.0
-
-
-def fwd_spec(n, dtype, weight, vector, store_rstd, persistent=False):
+def fwd_spec(n, dtype, weight, vector, store_rstd):
     """The forward kernel a call runs (the dispatcher's only decision for the forward)."""
     layout = row_layout(n, dtype)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
-                   vector=vector, store_rstd=store_rstd, persistent=persistent and layout.cached)
+                   vector=vector, store_rstd=store_rstd)

@@ -23,7 +23,6 @@ class Variant:
         s = self.spec
         layout = s.layout
         path = ("looped" if not layout.cached else "multirow" if s.rows > 1 else "row")
-        path += "+persistent" if s.persistent else ""
         access = "vec" if s.vector else "scalar"
         return (f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}"
                 f":rstd={int(s.store_rstd)}")
@@ -38,11 +37,9 @@ def fwd_variants(ns=FWD_REPRESENTATIVE_N):
             for weight in weights:
                 for vector in ([True, False] if vector_ok else [False]):
                     for store_rstd in (True, False):
-                        for persistent in ([False, True] if layout.cached else [False]):
-                            spec = _config.fwd_spec(n, dtype, weight, vector, store_rstd,
-                                                    persistent)
-                            yield Variant("fwd", rmsnorm_fwd.make_rmsnorm_fwd, spec,
-                                          rmsnorm_fwd.argtypes(spec))
+                        spec = _config.fwd_spec(n, dtype, weight, vector, store_rstd)
+                        yield Variant("fwd", rmsnorm_fwd.make_rmsnorm_fwd, spec,
+                                      rmsnorm_fwd.argtypes(spec))
 
 
 def variants():

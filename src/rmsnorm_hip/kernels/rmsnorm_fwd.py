@@ -6,11 +6,9 @@
 Blocks of ``threads x rows`` threads (blockDim = (threads, rows)); thread ``t`` of a row owns
 chunks ``t, t + threads, ...``.  Pass 1 loads them, sums their squares and reduces across the
 row; pass 2 scales and stores them.  Cached layouts keep the row in registers between the passes
-(looped ones re-read x).  One-shot grids give each block ``rows`` rows; a persistent grid of
-resident blocks walks the rows with a stride, loading the next row while it finishes the current
-one.  Either way a row's arithmetic is the same, so results do not depend on the grid.  Rows past
-M take part in the reductions and store nothing; absent arrays (no weight, no rstd) are null
-pointers that are never touched.
+(looped ones re-read x).  Each block owns ``rows`` rows; a row's arithmetic does not depend on
+the grid.  Rows past M take part in the reductions and store nothing; absent arrays (no weight,
+no rstd) are null pointers that are never touched.
 """
 import math
 
@@ -38,9 +36,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     layout = spec.layout
     n, chunk, threads = layout.n, layout.chunk, layout.threads
     per_thread, cached, rows = layout.chunks_per_thread, layout.cached, spec.rows
-    persistent = spec.persistent
     cache_len = per_thread * chunk if cached else chunk
-    next_len = cache_len if persistent else 1
     has_weight, store_rstd = bool(spec.weight), spec.store_rstd
     gpu, jitable = intr.gpu, intr.jitable
     x_io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
@@ -101,33 +97,19 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
-        red = gpu.shared.array((2, rows, warps_per_row), float32)
+        red = gpu.shared.array((1, rows, warps_per_row), float32)
         vals = gpu.local.array(cache_len, float32)
-        nxt = gpu.local.array(next_len, float32)
         wvals = gpu.local.array(chunk, float32)
-        first = int64(gpu.blockIdx.x) * rows
-        stride = int64(gpu.gridDim.x) * rows
-        iters = (m - first + stride - 1) // stride if persistent else 1   # uniform in the block
-        row = first + ty
-        if persistent:
-            load_row(x, row * x_stride, row < m, tx, vals)
-        for it in range(iters):
-            live = row < m
-            x_start = row * x_stride
-            if persistent:
-                nrow = row + stride
-                load_row(x, nrow * x_stride, it + 1 < iters and nrow < m, tx, nxt)
-            elif cached:
-                load_row(x, x_start, live, tx, vals)
-            acc = sumsq_row(x, x_start, live, tx, vals)
-            total = row_sum(acc, red, it & 1, ty, tx)
-            r = float32(1.0) / math.sqrt(total / n_f32 + eps)
-            if live:
-                finish_row(x, weight, y, rstd, row, x_start, y_stride, tx, r, weight_offset,
-                           vals, wvals)
-            if persistent:
-                for i in range(cache_len):
-                    vals[i] = nxt[i]
-            row += stride
+        row = int64(gpu.blockIdx.x) * rows + ty
+        live = row < m
+        x_start = row * x_stride
+        if cached:
+            load_row(x, x_start, live, tx, vals)
+        acc = sumsq_row(x, x_start, live, tx, vals)
+        total = row_sum(acc, red, 0, ty, tx)
+        r = float32(1.0) / math.sqrt(total / n_f32 + eps)
+        if live:
+            finish_row(x, weight, y, rstd, row, x_start, y_stride, tx, r, weight_offset, vals,
+                       wvals)
 
     return rmsnorm_fwd
