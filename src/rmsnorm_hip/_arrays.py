@@ -30,6 +30,7 @@ class ArrayInfo:
     device_index: int
     host: np.ndarray = None  # host memory: a NumPy view in the storage dtype
     wrap: object = None     # turns a finished output into the caller's library (DLPack callers)
+    readonly: bool = False
 
     def result(self):
         return self.wrap(self.obj) if self.wrap is not None else self.obj
@@ -78,7 +79,7 @@ def _describe_numpy(arr, obj, lib, reinterpret):
     strides = tuple(s // itemsize if s % itemsize == 0 else s / itemsize for s in arr.strides)
     host = arr.view(_dtypes.STORAGE[name]) if name in _dtypes.STORAGE else arr
     return ArrayInfo(obj, lib, arr.__array_interface__["data"][0], tuple(arr.shape), strides,
-                     name, CPU, -1, host)
+                     name, CPU, -1, host, readonly=not arr.flags.writeable)
 
 
 _TORCH_NAMES = {}

@@ -21,13 +21,15 @@ def rows(info, fn, arg):
     if n == 0:
         raise ValueError(f"{fn}: {arg} must have a non-empty last dimension, got shape {shape}")
     m = math.prod(shape[:-1])
+    if m == 0:  # nothing is read or written; NumPy >= 2.4 reports zero strides here
+        return m, n, n
     if any(not float(s).is_integer() for s in strides):
         raise ValueError(f"{fn}: {arg} strides must be whole elements, got {strides}")
     if n > 1 and strides[-1] != 1:
         raise ValueError(f"{fn}: {arg} must have unit stride in its last dimension, "
                          f"got stride {strides[-1]} (shape {shape})")
     lead = [(d, s) for d, s in zip(shape[:-1], strides[:-1]) if d != 1]
-    if m == 0 or not lead:
+    if not lead:
         return m, n, n
     row_stride = lead[-1][1]
     if row_stride < n:
@@ -99,6 +101,8 @@ def reinterpret(dtype, fn):
 def output(info, like, shape, dtype, fn, arg):
     """An ``out=`` array: same shape, dtype, device and library as ``like``; rows may be strided."""
     same_place(info, like, fn, arg)
+    if info.readonly:
+        raise ValueError(f"{fn}: {arg} must be writeable, got a read-only array")
     if info.dtype != dtype:
         raise TypeError(f"{fn}: {arg} must have dtype {dtype}, got {info.dtype}")
     if tuple(info.shape) != tuple(shape):

@@ -1,0 +1,142 @@
+"""The GPU tier (mark ``device``): the forward on a real NVIDIA GPU through torch, CuPy, numba device
+arrays and plain DLPack objects.  Run with the simulator off:
+
+    NUMBA_ENABLE_CUDASIM=0 python -m pytest -m device tests/test_device.py
+
+Skipped (with the reason) where there is no CUDA GPU or the simulator is on.
+"""
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import DTYPES, assert_close
+
+pytestmark = pytest.mark.device
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    pytest.skip("the simulator is on in this process (set NUMBA_ENABLE_CUDASIM=0 for the GPU tier)",
+                allow_module_level=True)
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+import rmsnorm_hip  # noqa: E402
+from rmsnorm_hip import reference  # noqa: E402
+
+TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# awkward N (scalar, multi-row, ragged, looped paths) and the LLM sizes (vector path)
+SHAPES = [(1, 1), (7, 3), (333, 127), (7, 4096), (333, 4097), (7, 5000), (33, 8192),
+          (3, 65537), (2, 262144)]
+
+
+def bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def host(t):
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+    return t.cpu().numpy()
+
+
+def inputs(m, n, dtype, weight_dtype, pad=24, offset=8):
+    """x as a row-strided view (16-byte aligned start) of a wider matrix, and weight."""
+    wide = torch.randn(m, n + pad, device="cuda", dtype=TORCH[dtype])
+    w = None if weight_dtype is None else (1 + 0.1 * torch.randn(n, device="cuda")).to(
+        TORCH[weight_dtype])
+    return wide, wide[:, offset:offset + n], w
+
+
+@pytest.mark.parametrize("m,n", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight", ["same", None, "float32"])
+def test_forward_contract_and_invariance(m, n, dtype, weight):
+    if weight == "float32" and dtype == "float32":
+        pytest.skip("float32 x takes a float32 weight already")
+    wdtype = {"same": dtype, None: None, "float32": "float32"}[weight]
+    wide, x, w = inputs(m, n, dtype, wdtype)
+    y, rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)
+    y_ref, rstd_ref = reference.rms_norm_ref(host(x), None if w is None else host(w), 1e-6)
+    assert_close(host(y), y_ref, dtype)
+    assert_close(rstd.cpu().numpy(), rstd_ref, "float32")
+    # bitwise: the contiguous copy, an unaligned view (scalar path), each row alone (M=1)
+    assert torch.equal(bits(y), bits(rmsnorm_hip.rms_norm(x.contiguous(), w, 1e-6)))
+    xu = wide[:, 1:1 + n]
+    assert torch.equal(bits(rmsnorm_hip.rms_norm(xu, w, 1e-6)),
+                       bits(rmsnorm_hip.rms_norm(xu.contiguous(), w, 1e-6)))
+    rows = sorted({0, m // 2, m - 1})
+    alone = torch.cat([rmsnorm_hip.rms_norm(x[i:i + 1], w, 1e-6) for i in rows])
+    assert torch.equal(bits(alone), bits(y[rows]))
+    # out= poisoned with NaN: fully written, and guard columns around it untouched
+    out_wide = torch.full((m, n + 16), float("nan"), device="cuda", dtype=TORCH[dtype])
+    rmsnorm_hip.rms_norm(x, w, 1e-6, out=out_wide[:, 8:8 + n])
+    assert torch.equal(bits(out_wide[:, 8:8 + n]), bits(y))
+    assert torch.isnan(out_wide[:, :8]).all() and torch.isnan(out_wide[:, 8 + n:]).all()
+
+
+def test_in_place_and_weight_offset():
+    x = torch.randn(65, 4096, device="cuda", dtype=torch.bfloat16)
+    w = 0.1 * torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    expected = rmsnorm_hip.rms_norm(x, w, 1e-6, weight_offset=1.0)
+    y_ref, _ = reference.rms_norm_ref(host(x), host(w), 1e-6, weight_offset=1.0)
+    assert_close(host(expected), y_ref, "bfloat16")
+    result = rmsnorm_hip.rms_norm(x, w, 1e-6, weight_offset=1.0, out=x)
+    assert result is x and torch.equal(bits(x), bits(expected))
+
+
+def test_repeat_calls_match_first_call_and_follow_the_stream():
+    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    first = rmsnorm_hip.rms_norm(x, w, 1e-6)          # validated path, builds the runner
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x2 = x * 1                                     # work queued on the side stream
+        again = rmsnorm_hip.rms_norm(x2, w, 1e-6)     # runner path, same stream
+    stream.synchronize()
+    assert torch.equal(bits(first), bits(again))
+
+
+def test_empty_batch_and_leading_dims():
+    x = torch.randn(0, 4096, device="cuda", dtype=torch.bfloat16)
+    assert rmsnorm_hip.rms_norm(x).shape == (0, 4096)
+    x3 = torch.randn(2, 3, 512, device="cuda", dtype=torch.float16)
+    y3 = rmsnorm_hip.rms_norm(x3)
+    assert y3.shape == x3.shape
+    assert torch.equal(bits(y3.reshape(6, 512)), bits(rmsnorm_hip.rms_norm(x3.reshape(6, 512))))
+
+
+def test_cupy_uint16_bfloat16_and_numba_arrays():
+    cupy = pytest.importorskip("cupy")
+    from numba import cuda
+    xh = np.random.default_rng(0).standard_normal((5, 4096)).astype(ml_dtypes.bfloat16)
+    y = rmsnorm_hip.rms_norm(cupy.asarray(xh.view(np.uint16)), None, dtype="bfloat16")
+    assert isinstance(y, cupy.ndarray) and y.dtype == np.uint16
+    assert_close(y.get().view(ml_dtypes.bfloat16), reference.rms_norm_ref(xh)[0], "bfloat16")
+    xn = cuda.to_device(np.random.default_rng(1).standard_normal((3, 128)).astype(np.float32))
+    yn = rmsnorm_hip.rms_norm(xn)
+    assert hasattr(yn, "copy_to_host")
+    assert_close(yn.copy_to_host(), reference.rms_norm_ref(xn.copy_to_host())[0], "float32")
+
+
+class _DLPackOnly:
+    """An array known only through DLPack (as from a library we have no adapter for)."""
+
+    def __init__(self, t):
+        self._t = t
+
+    def __dlpack__(self, stream=None, **kw):
+        return self._t.__dlpack__(stream=stream)
+
+    def __dlpack_device__(self):
+        return self._t.__dlpack_device__()
+
+
+def test_plain_dlpack_bfloat16_zero_copy():
+    pytest.importorskip("cupy")
+    x = torch.randn(9, 1024, device="cuda", dtype=torch.bfloat16)
+    y = rmsnorm_hip.rms_norm(_DLPackOnly(x), None, 1e-6)
+    expected = rmsnorm_hip.rms_norm(x, None, 1e-6)
+    got = torch.from_dlpack(y)
+    assert torch.equal(bits(got), bits(expected))
