@@ -30,6 +30,8 @@ def newest_per_op(paths):
     for path in paths:
         with open(path) as f:
             result = json.load(f)
+        if not isinstance(result, dict) or "environment" not in result or "op" not in result:
+            continue  # tuning sweeps, ISA reports: not bench runs
         rank = (result["target"] != "cpu", result["environment"].get("date", ""))
         op = result["op"]
         if op not in chosen or rank > chosen[op][0]:

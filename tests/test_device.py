@@ -140,3 +140,11 @@ def test_plain_dlpack_bfloat16_zero_copy():
     expected = rmsnorm_hip.rms_norm(x, None, 1e-6)
     got = torch.from_dlpack(y)
     assert torch.equal(bits(got), bits(expected))
+
+
+def test_backend_variable_is_honoured_on_repeat_calls(monkeypatch):
+    x = torch.randn(4, 256, device="cuda", dtype=torch.float16)
+    rmsnorm_hip.rms_norm(x)                               # builds the repeat-call runner
+    monkeypatch.setenv("RMSNORM_HIP_BACKEND", "hip")
+    with pytest.raises(ValueError, match="RMSNORM_HIP_BACKEND=hip cannot run cuda"):
+        rmsnorm_hip.rms_norm(x)

@@ -55,8 +55,9 @@ def _cupy():
     return sys.modules.get("cupy")
 
 
-def describe(obj, name, reinterpret=None):
-    """ArrayInfo of ``obj``; ``reinterpret`` ("bfloat16"/"float16") reads uint16 storage as that."""
+def describe(obj, name, reinterpret=None, fn="rmsnorm_hip"):
+    """ArrayInfo of ``obj``; ``reinterpret`` ("bfloat16"/"float16") reads uint16 storage as that.
+    ``fn`` names the calling entry point in errors."""
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
         return _describe_torch(obj, torch, reinterpret)
@@ -69,8 +70,9 @@ def describe(obj, name, reinterpret=None):
         return _from_cai(obj, "cai", obj.__cuda_array_interface__, None, reinterpret)
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         return _describe_dlpack(obj, reinterpret)
-    raise TypeError(f"{name}: expected a NumPy, CuPy or torch array, a __cuda_array_interface__ "
-                    f"or DLPack object, got {type(obj).__module__}.{type(obj).__qualname__}")
+    raise TypeError(f"{fn}: {name} must be a NumPy, CuPy or torch array, a "
+                    f"__cuda_array_interface__ or DLPack object, got "
+                    f"{type(obj).__module__}.{type(obj).__qualname__}")
 
 
 def _describe_numpy(arr, obj, lib, reinterpret):
@@ -222,8 +224,9 @@ def empty(like, shape, dtype):
             torch = _torch()
             out = torch.empty(shape, dtype=getattr(torch, dtype))
             return out, describe(out, "out")
-        out = np.empty(shape, _dtypes.NUMPY[dtype])
-        return out, _describe_numpy(out, out, "numpy", None)
+        storage_view = like.obj.dtype == np.uint16 and dtype in _dtypes.HALF_DTYPES
+        out = np.empty(shape, np.uint16 if storage_view else _dtypes.NUMPY[dtype])
+        return out, _describe_numpy(out, out, "numpy", dtype if storage_view else None)
     if lib == "torch":
         torch = _torch()
         out = torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)

@@ -98,6 +98,13 @@ def reinterpret(dtype, fn):
     return dtype
 
 
+def reinterpreted(info, reinterpret, fn):
+    """``dtype=`` only says how uint16 storage is read: x must be such storage."""
+    if reinterpret is not None and info.dtype != reinterpret:
+        raise ValueError(f"{fn}: dtype={reinterpret!r} reads uint16 storage, but x has dtype "
+                         f"{info.dtype}")
+
+
 def output(info, like, shape, dtype, fn, arg):
     """An ``out=`` array: same shape, dtype, device and library as ``like``; rows may be strided."""
     same_place(info, like, fn, arg)

@@ -42,16 +42,26 @@ _AMDGPU_MACH = {"gfx942": 0x4C, "gfx950": 0x4F}   # EF_AMDGPU_MACH_AMDGCN_* (ELF
 
 # ---- one kernel ------------------------------------------------------------------------------
 def _describe(variant):
-    spec, layout = variant.spec, variant.spec.layout
-    return dict(label=variant.label, op=variant.op, dtype=spec.dtype, weight=spec.weight or None,
-                n=layout.n, threads=layout.threads, rows_per_block=spec.rows,
-                chunks_per_thread=layout.chunks_per_thread, cached=layout.cached,
-                vector=spec.vector, store_rstd=spec.store_rstd)
+    """What a record says about the variant itself (the spec fields kernels commonly have)."""
+    spec = variant.spec
+    layout = getattr(spec, "layout", None)
+    record = dict(label=variant.label, op=variant.op)
+    for key, owner, attr in (("dtype", spec, "dtype"), ("weight", spec, "weight"),
+                             ("n", layout, "n"), ("threads", layout, "threads"),
+                             ("rows_per_block", spec, "rows"),
+                             ("chunks_per_thread", layout, "chunks_per_thread"),
+                             ("cached", layout, "cached"), ("vector", spec, "vector"),
+                             ("store_rstd", spec, "store_rstd")):
+        if owner is not None and hasattr(owner, attr):
+            record[key] = getattr(owner, attr)
+    if record.get("weight") == "":
+        record["weight"] = None
+    return record
 
 
 def is_main_kernel(record):
     """The vector path with one row per block: what LLM-sized rows run."""
-    return record["vector"] and record["rows_per_block"] == 1
+    return bool(record.get("vector")) and record.get("rows_per_block") == 1
 
 
 def _listing_value(isa, key):
@@ -140,8 +150,8 @@ def problems(record, target):
             out.append(f"spills vgpr {record['vgpr_spill']} sgpr {record['sgpr_spill']}")
         if record["dynamic_stack"]:
             out.append("dynamic stack")
-        if record["vector"] and not (record["global_load_dwordx4"]
-                                     and record["global_store_dwordx4"]):
+        if record.get("vector") and not (record["global_load_dwordx4"]
+                                         and record["global_store_dwordx4"]):
             out.append("vector path without global_load/store_dwordx4")
         if is_main_kernel(record) and record["vgpr"] > MAIN_KERNEL_MAX_VGPRS:
             out.append(f"main kernel {record['vgpr']} VGPRs > {MAIN_KERNEL_MAX_VGPRS}")
@@ -151,7 +161,7 @@ def problems(record, target):
     else:
         if record["local_depot"]:
             out.append("local memory depot")
-        if record["vector"] and not (record["ld_global_v4"] and record["st_global_v4"]):
+        if record.get("vector") and not (record["ld_global_v4"] and record["st_global_v4"]):
             out.append("vector path without ld/st.global.v4")
     return out
 
@@ -225,16 +235,16 @@ def _summary(records, target):
             min_occupancy=min(r["occupancy"] or 0 for r in ok),
             scratch_kernels=sum(1 for r in ok if r["scratch_bytes"]),
             spill_kernels=sum(1 for r in ok if r["vgpr_spill"] or r["sgpr_spill"]),
-            vector_kernels=sum(1 for r in ok if r["vector"]),
-            vector_kernels_with_dwordx4=sum(1 for r in ok if r["vector"]
+            vector_kernels=sum(1 for r in ok if r.get("vector")),
+            vector_kernels_with_dwordx4=sum(1 for r in ok if r.get("vector")
                                             and r["global_load_dwordx4"]
                                             and r["global_store_dwordx4"]),
             max_lds_bytes=max(r["lds_bytes"] for r in ok))
     elif ok:
         summary.update(
             local_depot_kernels=sum(1 for r in ok if r["local_depot"]),
-            vector_kernels=sum(1 for r in ok if r["vector"]),
-            vector_kernels_with_v4=sum(1 for r in ok if r["vector"] and r["ld_global_v4"]
+            vector_kernels=sum(1 for r in ok if r.get("vector")),
+            vector_kernels_with_v4=sum(1 for r in ok if r.get("vector") and r["ld_global_v4"]
                                        and r["st_global_v4"]))
     return summary
 

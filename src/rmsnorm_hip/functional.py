@@ -7,6 +7,7 @@ arrays' metadata (validation, backend, kernel choice) is kept in a plan under th
 so a repeat call reads pointers, allocates its outputs and launches (a few microseconds).
 """
 import math
+from os import environ as _environ
 
 from . import _arrays, _dtypes, _validate, backends
 
@@ -40,7 +41,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
     y, or (y, rstd) — in x's library and on x's device.
     """
     if out is None and dtype is None:
-        key = _arrays.fast_key(x, weight, return_rstd)
+        key = _arrays.fast_key(x, weight, (return_rstd, _environ.get(backends.ENV)))
         if key is not None:
             run = _fwd_runners.get(key)
             # scalars a runner may take as they are; anything else goes through full validation
@@ -55,12 +56,13 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
 def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
     fn = "rms_norm"
     reinterpret = _validate.reinterpret(dtype, fn)
-    xi = _arrays.describe(x, "x", reinterpret)
+    xi = _arrays.describe(x, "x", reinterpret, fn)
     _validate.activation_dtype(xi, fn, "x")
+    _validate.reinterpreted(xi, reinterpret, fn)
     m, n, x_stride = _validate.rows(xi, fn, "x")
     wi = None
     if weight is not None:
-        wi = _arrays.describe(weight, "weight", reinterpret)
+        wi = _arrays.describe(weight, "weight", reinterpret, fn)
         _validate.vector(wi, xi, n, fn, "weight", _validate.weight_dtypes(xi.dtype))
     eps = _validate.eps(eps, fn)
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
@@ -70,7 +72,7 @@ def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
         _, yi = _arrays.empty(xi, xi.shape, xi.dtype)
         y_stride = n
     else:
-        yi = _arrays.describe(out, "out", reinterpret)
+        yi = _arrays.describe(out, "out", reinterpret, fn)
         _, _, y_stride = _validate.output(yi, xi, xi.shape, xi.dtype, fn, "out")
         _validate.no_overlap(yi, [("x", xi), ("weight", wi)], fn, "out", allow_same=xi)
     ri = _arrays.empty(xi, (m,), _dtypes.FLOAT32)[1] if return_rstd else None

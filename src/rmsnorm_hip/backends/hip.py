@@ -1,10 +1,10 @@
 """AMD backend: kernels compiled by numba-hip to an HSA code object for the device's gfx arch,
-loaded once per device with ``hipModuleLoadData`` and launched with ``hipModuleLaunchKernel`` on the
-caller's current stream, arguments packed by :class:`~._argpack.ArgPack`.  numba-hip's per-call
-dispatcher is never on the launch path.
+loaded once per device with ``hipModuleLoadData`` (hip-python's ``rocm.bindings.hip``) and launched
+with ``hipModuleLaunchKernel`` on the caller's current stream, arguments packed by
+:class:`~._argpack.ArgPack`.  numba-hip's per-call dispatcher is never on the launch path.
 
-:func:`compile_code_object` is the same compile for a named arch with no GPU and no HIP runtime
-(``rmsnorm-hip compile``, :mod:`rmsnorm_hip.aot`).
+:func:`compile_code_object` / :func:`compile_code_objects` are the same compile for named arches
+with no GPU and no HIP runtime (``rmsnorm-hip compile``, :mod:`rmsnorm_hip.aot`).
 
 numba-hip 0.2.1 asks the HIP runtime for the current device's arch in a few places even when the
 arch is given explicitly (``Dispatcher.compile_device``, ``_Kernel.__init__``,
@@ -12,12 +12,13 @@ arch is given explicitly (``Dispatcher.compile_device``, ``_Kernel.__init__``,
 under a lock, and restores the originals.  It uses numba-hip internals (``compile_hip``,
 ``prepare_hip_kernel``, ``HIPCodeLibrary.get_codeobj``), hence the exact ``numba-hip==0.2.1`` pin.
 """
-import re
+import ctypes
+import os
 import threading
 from contextlib import contextmanager
 from types import SimpleNamespace
 
-from .. import _arrays, intrinsics
+from .. import intrinsics
 from ._argpack import ArgPack
 from ._gpu import GpuBackend
 
@@ -108,19 +109,21 @@ def compile_code_objects(pyfunc, argtypes, archs, listing=True):
     from rocm import comgr
 
     archs = list(archs)
-    library = _compile_library(pyfunc, argtypes, archs[0])
     out = {}
-    for arch in archs:
-        with _targeting(arch):
-            code_object = bytes(library.get_codeobj(amdgpu_arch=arch))
-            isa = ""
-            if listing:
-                linked = library.get_linked_llvm_ir(amdgpu_arch=arch, to_bc=True,
-                                                    link_in_hipdevicelib=True)
-                isa = comgr.compile_bc_to_hsa(linked, isa_name=f"amdgcn-amd-amdhsa--{arch}",
-                                              extra_opts=["-O3"])[0].decode()
-        metadata = comgr.parse_code_obj_metadata(code_object, len(code_object))
-        out[arch] = (code_object, isa, metadata)
+    # one compile at a time: linking rewrites the shared device helpers' attributes for its arch
+    with _compile_lock:
+        library = _compile_library(pyfunc, argtypes, archs[0])
+        for arch in archs:
+            with _targeting(arch):
+                code_object = bytes(library.get_codeobj(amdgpu_arch=arch))
+                isa = ""
+                if listing:
+                    linked = library.get_linked_llvm_ir(amdgpu_arch=arch, to_bc=True,
+                                                        link_in_hipdevicelib=True)
+                    isa = comgr.compile_bc_to_hsa(linked, isa_name=f"amdgcn-amd-amdhsa--{arch}",
+                                                  extra_opts=["-O3"])[0].decode()
+            metadata = comgr.parse_code_obj_metadata(code_object, len(code_object))
+            out[arch] = (code_object, isa, metadata)
     return out
 
 
@@ -148,31 +151,47 @@ def _check(result, what):
     """The value of a hip-python call returning ``(hipError_t, value...)``; raises on an error."""
     err = result[0] if isinstance(result, tuple) else result
     if int(err) != 0:
-        hip = _hip()
         try:
-            name = hip.hipGetErrorName(err)
-            name = name[1] if isinstance(name, tuple) else name
+            hip = _hip()
+            name = hip.hipGetErrorName(hip.hipError_t(int(err)))[1]
             name = name.decode() if isinstance(name, bytes) else str(name)
-        except Exception:
-            name = str(int(err))
+        except Exception:  # an unknown code: the number says it all
+            name = "?"
         raise RuntimeError(f"{what} failed: {name} ({int(err)})")
     if isinstance(result, tuple):
         return result[1] if len(result) == 2 else result[1:]
     return None
 
 
+def _runtime_functions():
+    """``hipModuleLaunchKernel`` / ``hipGetDevice`` / ``hipSetDevice`` of the HIP runtime that
+    hip-python loaded (same file, so the same library handle), called through ctypes: the Python
+    wrappers convert their arguments into objects on every call (see backends/cuda.py)."""
+    from rocm.bindings.util import paths
+    lib = ctypes.CDLL(os.fsdecode(paths.get_library_path("amdhip64")))
+    c = ctypes
+    launch = lib.hipModuleLaunchKernel
+    launch.restype = c.c_int
+    launch.argtypes = [c.c_void_p] + [c.c_uint] * 7 + [c.c_void_p] * 3
+    get_device, set_device = lib.hipGetDevice, lib.hipSetDevice
+    get_device.restype = set_device.restype = c.c_int
+    get_device.argtypes = [c.POINTER(c.c_int)]
+    set_device.argtypes = [c.c_int]
+    return launch, get_device, set_device
+
+
 def device_arch(device_index):
     """The gfx arch of HIP device ``device_index`` without target features ("gfx942")."""
-    hip = _hip()
-    props = _check(hip.hipGetDeviceProperties(device_index), "hipGetDeviceProperties")
+    props = _check(_hip().hipGetDeviceProperties(device_index), "hipGetDeviceProperties")
     name = props.gcnArchName
     name = name.decode() if isinstance(name, bytes) else str(name)
-    return name.split(":")[0]
+    return name.split("\0")[0].split(":")[0]
 
 
 class HipKernel:
     def __init__(self, function, argtypes, code_object, metadata, name):
         self.function = function
+        self.handle = int(function)
         self.args = ArgPack(argtypes)
         self.code_object = code_object
         self.metadata = metadata
@@ -184,7 +203,7 @@ class HipKernel:
         keys = ("vgpr_count", "agpr_count", "sgpr_count", "vgpr_spill_count", "sgpr_spill_count",
                 "private_segment_fixed_size", "group_segment_fixed_size",
                 "max_flat_workgroup_size")
-        return {key: k.get("." + key) for key in keys}
+        return {key: int(k["." + key]) for key in keys if "." + key in k}
 
 
 class HipBackend(GpuBackend):
@@ -202,7 +221,10 @@ class HipBackend(GpuBackend):
         self.sm_count = _check(hip.hipDeviceGetAttribute(
             hip.hipDeviceAttribute_t.hipDeviceAttributeMultiprocessorCount, device_index),
             "hipDeviceGetAttribute")
-        self._launch = hip.hipModuleLaunchKernel
+        self._launch, self._get_device, self._set_device = _runtime_functions()
+        # with one device it is always current: no per-launch device check
+        self._single_device = count == 1
+        self._current = ctypes.c_int()
         super().__init__(intrinsics.load("hip"))
 
     @contextmanager
@@ -236,11 +258,17 @@ class HipBackend(GpuBackend):
     def arg(info, dtype):
         return info.ptr if info is not None else 0
 
-    def launch(self, kernel, grid, block, args, like):
+    def launch(self, kernel, grid, block, args, stream):
         params = kernel.args.pack(args)
-        stream = _arrays.current_stream(like)
-        with self.current():
-            err, = self._launch(kernel.function, grid[0], grid[1], grid[2], block[0], block[1],
-                                block[2], 0, stream, params, None)
-        if int(err) != 0:
+        if not self._single_device:
+            self._get_device(ctypes.byref(self._current))
+            if self._current.value != self.device_index:
+                with self.current():
+                    return self._launch_now(kernel, grid, block, params, stream)
+        self._launch_now(kernel, grid, block, params, stream)
+
+    def _launch_now(self, kernel, grid, block, params, stream):
+        err = self._launch(kernel.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                           0, stream, params, None)
+        if err:
             _check((err,), f"hipModuleLaunchKernel({kernel.name})")

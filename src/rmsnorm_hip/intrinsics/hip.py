@@ -8,7 +8,8 @@ numba-hip 0.2.1 differs from numba-cuda in ways that stay in this file:
 - ``hip.atomic.add(array, idx, value)`` does not type, so the float atomic is the shared
   ``atomicrmw fadd`` intrinsic of ``_llvm`` (its ``amdgpu.no.fine.grained.memory`` metadata gives a
   native ``global_atomic_add_f32`` on gfx942/gfx950 instead of a compare-and-swap loop);
-- it has no half types, so 16-bit floats are ``uint16`` bits decoded by ``_shared``.
+- it has no half types, so 16-bit floats are ``uint16`` bits: bfloat16 through ``_shared``'s
+  integer codecs, float16 through the hardware conversions (``_llvm.define_hw_f16``, LLVM ``half``).
 
 Device helpers use numba's ``register_jitable``: the ``hip`` target is a ``GPU`` target, so
 generic overloads resolve under it as under numba-cuda.

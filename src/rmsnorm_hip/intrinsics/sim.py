@@ -38,7 +38,16 @@ def u32_as_f32(value):
     return np.uint32(value).view(np.float32)
 
 
+def _check_aligned(ptr, idx):
+    # the kernel's flat arrays start at 16-byte aligned pointers whenever the vector path runs,
+    # so a 128-bit access must sit at a multiple of 16 bytes from their start
+    if (int(idx) * ptr.dtype.itemsize) % 16:
+        raise AssertionError(f"misaligned 128-bit access at element {idx} of a "
+                             f"{ptr.dtype} array")
+
+
 def load_b128(ptr, idx):
+    _check_aligned(ptr, idx)
     per_word = 4 // ptr.dtype.itemsize if ptr.dtype.itemsize < 4 else 1
     elems = np.array([ptr[idx + k] for k in range(4 * per_word)], dtype=ptr.dtype)
     words = elems.view(np.uint32)
@@ -46,6 +55,7 @@ def load_b128(ptr, idx):
 
 
 def store_b128(ptr, idx, w0, w1, w2, w3):
+    _check_aligned(ptr, idx)
     elems = np.array([w0, w1, w2, w3], dtype=np.uint32).view(ptr.dtype)
     for k in range(elems.size):
         ptr[idx + k] = elems[k]

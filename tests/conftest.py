@@ -1,0 +1,168 @@
+"""Shared test machinery: the tolerance table of API.md's numerical contract, ``assert_close``,
+random data, aligned allocations and backend selection.
+
+The numba-cuda simulator can only be switched on before ``numba.cuda`` is first imported, so this
+module sets ``NUMBA_ENABLE_CUDASIM`` before anything else: in the pytest process ``numba.cuda`` *is*
+the simulator.  Real PTX is compiled in a subprocess (tests/test_compile.py).
+"""
+import os
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import zlib  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+SIM_ENABLED = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
+
+FLOAT32, FLOAT16, BFLOAT16 = "float32", "float16", "bfloat16"
+DTYPES = (FLOAT32, FLOAT16, BFLOAT16)
+NUMPY = {FLOAT32: np.dtype(np.float32), FLOAT16: np.dtype(np.float16),
+         BFLOAT16: np.dtype(ml_dtypes.bfloat16)}
+# (x dtype, weight dtype or None): weight is x's dtype, or float32 when x is 16-bit
+WEIGHT_COMBOS = [(d, w) for d in DTYPES
+                 for w in (None, d) + ((FLOAT32,) if d != FLOAT32 else ())]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rel: float              # ||out - ref|| / ||ref||
+    ulps: float = None      # per element: |out - ref| <= ulps * ulp(ref) + atol (16-bit only)
+    atol: float = 0.0
+
+
+# API.md, "Numerical contract", against a float64 reference from the same rounded inputs
+TOLERANCES = {
+    FLOAT32: Tolerance(rel=1e-5),
+    FLOAT16: Tolerance(rel=8e-3, ulps=2, atol=1e-6),
+    BFLOAT16: Tolerance(rel=8e-3, ulps=2, atol=1e-6),
+}
+
+_MANTISSA_BITS = {FLOAT32: 23, FLOAT16: 10, BFLOAT16: 7}
+_MIN_EXPONENT = {FLOAT32: -126, FLOAT16: -14, BFLOAT16: -126}
+
+
+def np_dtype(dtype):
+    """The NumPy dtype of a library dtype name ("bfloat16" -> ml_dtypes.bfloat16) or dtype."""
+    return NUMPY[dtype] if isinstance(dtype, str) and dtype in NUMPY else np.dtype(dtype)
+
+
+def ulp(ref, dtype):
+    """Spacing of ``dtype`` at each |ref| (subnormal spacing below the normal range)."""
+    _, exp = np.frexp(np.abs(ref))
+    exp = np.where(ref == 0, _MIN_EXPONENT[dtype], np.maximum(exp - 1, _MIN_EXPONENT[dtype]))
+    return np.ldexp(1.0, exp - _MANTISSA_BITS[dtype])
+
+
+def assert_close(out, ref, dtype):
+    """``out`` (any float array) against the float64 ``ref`` within ``TOLERANCES[dtype]``:
+    relative error ``||out - ref|| / ||ref||`` below ``rel``, and for 16-bit dtypes every element
+    within ``ulps`` ulp of ``dtype`` at ``ref`` plus ``atol``.  NaN anywhere fails."""
+    tol = TOLERANCES[dtype]
+    out = np.asarray(out).astype(np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert out.shape == ref.shape, f"shape {out.shape} != reference shape {ref.shape}"
+    if out.size == 0:
+        return
+    err = np.abs(out - ref)
+    norm = np.linalg.norm(ref)
+    rel = np.linalg.norm(out - ref) / norm if norm > 0 else np.linalg.norm(out)
+    if not rel < tol.rel:  # NaN fails too
+        worst = np.unravel_index(np.nanargmax(np.where(np.isnan(err), np.inf, err)), err.shape)
+        raise AssertionError(f"{dtype}: relative error {rel:.3e} >= {tol.rel:.0e}; worst element "
+                             f"{worst}: out {out[worst]!r} ref {ref[worst]!r}")
+    if tol.ulps is not None:
+        bound = tol.ulps * ulp(ref, dtype) + tol.atol
+        bad = ~(err <= bound)
+        if bad.any():
+            first = np.unravel_index(np.argmax(bad), bad.shape)
+            raise AssertionError(
+                f"{dtype}: {int(bad.sum())} element(s) off by more than {tol.ulps} ulp + "
+                f"{tol.atol:g}; first {first}: out {out[first]!r} ref {ref[first]!r} "
+                f"({err[first] / ulp(ref[first], dtype):.2f} ulp)")
+
+
+def assert_bitwise(a, b, what="arrays"):
+    """Same shape, dtype and bits (NaN payloads included)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    bits_a = np.ascontiguousarray(a).reshape(-1).view(f"u{a.itemsize}")
+    bits_b = np.ascontiguousarray(b).reshape(-1).view(f"u{b.itemsize}")
+    diff = np.flatnonzero(bits_a != bits_b)
+    if diff.size:
+        i = diff[0]
+        raise AssertionError(f"{what} differ bitwise at {diff.size} of {a.size} element(s), "
+                             f"first at flat index {i}: {a.reshape(-1)[i]!r} vs "
+                             f"{b.reshape(-1)[i]!r}")
+
+
+def random_array(rng, shape, dtype, loc=0.0, scale=1.0):
+    """Normal samples rounded to ``dtype`` (a name or NumPy dtype), with no exact zeros."""
+    dt = np_dtype(dtype)
+    a = (loc + scale * rng.standard_normal(shape, dtype=np.float32)).astype(dt)
+    a[a == 0] = 1
+    return a
+
+
+def aligned_empty(shape, dtype, *, offset=0, align=64):
+    """Uninitialised C-contiguous array whose first element sits ``offset`` bytes past an
+    ``align``-byte boundary (``offset=itemsize`` gives a row start that is not 16-byte aligned)."""
+    dt = np_dtype(dtype)
+    nbytes = int(np.prod(shape)) * dt.itemsize
+    buf = np.empty(nbytes + align + offset, np.uint8)
+    start = (-buf.ctypes.data) % align + offset
+    return buf[start:start + nbytes].view(dt).reshape(shape)
+
+
+def aligned_copy(a, *, offset=0):
+    out = aligned_empty(a.shape, a.dtype, offset=offset)
+    out[...] = a
+    return out
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's id: fresh data per test, reproducible per test."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _default_backend(monkeypatch):
+    """Every test starts on the default backend (NumPy arrays -> cpu), whatever the shell says."""
+    monkeypatch.delenv("RMSNORM_HIP_BACKEND", raising=False)
+    monkeypatch.delenv("RMSNORM_HIP_SIM_WARP", raising=False)
+
+
+@pytest.fixture
+def use_backend(monkeypatch):
+    """``use_backend(name)`` selects the backend for NumPy arrays and returns its object."""
+    from rmsnorm_hip import backends
+
+    def use(name):
+        monkeypatch.setenv("RMSNORM_HIP_BACKEND", name)
+        return backends.get(name)
+    return use
+
+
+BACKENDS = ["cpu", pytest.param("sim", marks=pytest.mark.sim)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, use_backend):
+    """Runs the test once per backend that can run NumPy arrays; returns the backend name."""
+    use_backend(request.param)
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    if SIM_ENABLED:
+        return
+    skip = pytest.mark.skip(reason="NUMBA_ENABLE_CUDASIM is not 1 in this process: numba.cuda "
+                                   "was not started as the simulator")
+    for item in items:
+        if "sim" in item.keywords:
+            item.add_marker(skip)

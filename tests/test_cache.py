@@ -1,0 +1,126 @@
+"""The compiled-kernel cache (src/rmsnorm_hip/_cache.py): one build per kernel key, reused across
+M, separate builds per spec, and one build when threads race on a fresh key."""
+import functools
+import threading
+import time
+from collections import Counter
+
+import pytest
+from conftest import aligned_copy, assert_bitwise, random_array
+
+from rmsnorm_hip import _cache, backends, rms_norm
+from rmsnorm_hip.kernels import cpu_rmsnorm
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """An empty kernel cache and build counter, and no backend objects (they memoise plans), for
+    the test only; the process-wide ones come back afterwards."""
+    monkeypatch.setattr(_cache, "_kernels", {})
+    monkeypatch.setattr(_cache, "builds", Counter())
+    monkeypatch.setattr(backends, "_backends", {})
+    return _cache
+
+
+def fwd_keys(cache):
+    return {k: v for k, v in cache.builds.items() if any("rmsnorm_fwd" in str(p) for p in k)}
+
+
+def test_cpu_one_build_for_every_m(fresh, rng):
+    w = random_array(rng, 127, "float32")
+    y_small = rms_norm(random_array(rng, (3, 127), "float32"), w)
+    assert len(fwd_keys(fresh)) == 1
+    y_large = rms_norm(random_array(rng, (333, 127), "float32"), w)
+    rms_norm(random_array(rng, (1, 127), "float32"), w)
+
+    builds = fwd_keys(fresh)
+    assert list(builds.values()) == [1], builds
+    key, = builds
+    assert key[:3] == ("cpu", "host", -1) and "float32" in key, key
+    assert y_small.shape == (3, 127) and y_large.shape == (333, 127)
+
+
+@pytest.mark.sim
+def test_sim_one_build_per_spec_for_every_m(fresh, use_backend, rng):
+    use_backend("sim")
+    w = aligned_copy(random_array(rng, 24, "float32"))
+    for m in (3, 40, 1):                                       # vector path, any M
+        rms_norm(aligned_copy(random_array(rng, (m, 24), "float32")), w)
+    assert list(fwd_keys(fresh).values()) == [1]
+    for m in (2, 5):                                           # scalar path: its own kernel
+        rms_norm(aligned_copy(random_array(rng, (m, 24), "float32"), offset=4), w)
+    rms_norm(aligned_copy(random_array(rng, (4, 24), "float32")), None)  # no weight: another
+
+    builds = fwd_keys(fresh)
+    assert sorted(builds.values()) == [1, 1, 1], builds
+    specs = [k[-1] for k in builds]
+    assert {(s.vector, s.weight) for s in specs} == {(True, "float32"), (False, "float32"),
+                                                     (True, "")}
+    assert all(k[:2] == ("sim", "sim32") for k in builds), builds
+
+
+def race(n_threads, call):
+    """Runs ``call()`` on ``n_threads`` threads released together; returns their results."""
+    barrier = threading.Barrier(n_threads)
+    results, errors = [None] * n_threads, []
+
+    def work(i):
+        try:
+            barrier.wait()
+            results[i] = call()
+        except BaseException as exc:  # re-raised below on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_cpu_concurrent_first_calls_build_once(fresh, monkeypatch, rng):
+    """8 threads call on a fresh key at once.  numba compiles lazily, so the builder returns in
+    microseconds; it is slowed down to hold the race window open."""
+    build = cpu_rmsnorm.make_cpu_rmsnorm_fwd
+
+    @functools.wraps(build)
+    def slow_build(*args):
+        time.sleep(0.3)
+        return build(*args)
+
+    monkeypatch.setattr(cpu_rmsnorm, "make_cpu_rmsnorm_fwd", slow_build)
+    x = random_array(rng, (64, 333), "bfloat16")
+    w = random_array(rng, 333, "float32")
+
+    results = race(8, lambda: rms_norm(x, w))
+
+    assert list(fwd_keys(fresh).values()) == [1], fwd_keys(fresh)
+    for y in results[1:]:
+        assert_bitwise(y, results[0], "results of racing threads")
+
+
+@pytest.mark.sim
+def test_gpu_backend_concurrent_first_calls_build_once(fresh, use_backend, monkeypatch, rng):
+    """The GPU dispatch (plans, kernel cache) raced by 8 threads.  The simulator cannot run two
+    kernels at once, so launches are recorded instead of run, and each build is slowed down."""
+    be = use_backend("sim")
+    launched = []
+    compile_ = be.compile
+
+    def slow_compile(*args):
+        time.sleep(0.3)
+        return compile_(*args)
+
+    monkeypatch.setattr(be, "compile", slow_compile)
+    monkeypatch.setattr(be, "launch", lambda kernel, grid, block, args, like:
+                        launched.append((kernel, grid, block)))
+    x = aligned_copy(random_array(rng, (16, 128), "bfloat16"))
+
+    race(8, lambda: rms_norm(x))
+
+    assert list(fwd_keys(fresh).values()) == [1], fwd_keys(fresh)
+    assert len(launched) == 8, launched
+    assert len({id(kernel) for kernel, _, _ in launched}) == 1, "threads got different kernels"

@@ -1,0 +1,182 @@
+"""The 16-bit float codecs of the intrinsics layer (intrinsics/_shared.py), bit for bit against
+ml_dtypes (bfloat16) and NumPy (float16): every 16-bit pattern decoded, and float32 special values,
+rounding ties at every exponent and 2M random bit patterns encoded (round-to-nearest-even; a NaN
+stays a NaN of the same sign).  The CPU namespace runs inside numba.njit loops; a sample also runs
+through the simulator namespace (plain Python on NumPy scalars) to show both agree."""
+import ml_dtypes
+import numba
+import numpy as np
+import pytest
+
+from rmsnorm_hip import intrinsics
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+ALL_16BIT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+CODECS = {  # name: (decode, encode) attribute names, NumPy dtype of the 16-bit format
+    "bfloat16": ("bf16_to_f32", "f32_to_bf16", BF16),
+    "float16": ("f16_to_f32", "f32_to_f16", F16),
+}
+
+# float32 bit patterns with a known 16-bit result; negatives are added by sign_both()
+SPECIAL_F32 = [
+    0x00000000,                                     # +0
+    0x7F800000,                                     # inf
+    0x7FC00000, 0x7FC00001, 0x7FFFFFFF,             # quiet NaNs with payloads
+    0x7F800001, 0x7FA00000, 0x7FBFFFFF,             # signalling NaNs
+    0x00000001, 0x00000002, 0x00007FFF, 0x00008000, 0x00008001, 0x00018000, 0x007FFFFF,  # denormal
+    0x00800000, 0x00800001, 0x00FFFFFF,             # smallest normals
+    0x3F800000, 0x3F7FFFFF, 0x3F800001,             # 1 and its neighbours
+    0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001,  # bf16 ties: even down, odd up, around
+    0x3F801000, 0x3F803000, 0x3F800FFF, 0x3F801001,  # f16 ties (2**-11 steps) likewise
+    0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7F0000,  # bf16: max finite rounds to inf, tie too
+    0x477FE000, 0x477FEFFF, 0x477FF000, 0x47800000,  # f16: 65504, just below 65520, 65520, 65536
+    0x33000000, 0x33000001, 0x33800000, 0x33C00000, 0x33400000,  # f16 subnormal: 2**-25 ties ..
+    0x38800000, 0x387FFFFF, 0x387FF000, 0x38000000,  # f16 smallest normal and just below
+    0x3EAAAAAB, 0x40490FDB, 0x4B000001,             # 1/3, pi, 2**23 + 1
+]
+
+
+def sign_both(bits):
+    bits = np.asarray(bits, np.uint32)
+    return np.concatenate([bits, bits | np.uint32(0x80000000)])
+
+
+def tie_patterns(rng, size, low_bits):
+    """Random sign/exponent/upper mantissa with the dropped low bits set to the values around a
+    rounding tie (``low_bits``: the values of the bits the 16-bit format drops)."""
+    high = rng.integers(0, 1 << 32, size, dtype=np.uint64).astype(np.uint32)
+    mask = np.uint32(max(low_bits))
+    mask |= mask >> np.uint32(1)
+    for s in (2, 4, 8, 16):
+        mask |= mask >> np.uint32(s)
+    low = np.asarray(low_bits, np.uint32)[rng.integers(0, len(low_bits), size)]
+    return (high & ~mask) | low
+
+
+def random_f32_bits(rng, size):
+    return rng.integers(0, 1 << 32, size, dtype=np.uint64).astype(np.uint32)
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    """njit-compiled array maps over the CPU namespace's codecs."""
+    intr = intrinsics.load("cpu")
+    maps = {}
+    for decode_name, encode_name, _ in CODECS.values():
+        decode, encode = getattr(intr, decode_name), getattr(intr, encode_name)
+        maps[decode_name] = _njit_map(decode, np.float32)
+        maps[encode_name] = _njit_map(encode, np.uint16)
+    return maps
+
+
+def _njit_map(fn, out_dtype):
+    @numba.njit
+    def apply(values):
+        out = np.empty(values.size, out_dtype)
+        for i in range(values.size):
+            out[i] = fn(values[i])
+        return out
+    return apply
+
+
+def assert_same_f32(got, expected, what):
+    """Bitwise equal, except that a NaN only has to be a NaN of the same sign."""
+    got_bits, exp_bits = got.view(np.uint32), expected.view(np.uint32)
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(got), nan), f"{what}: NaN positions differ"
+    bad = np.flatnonzero((got_bits != exp_bits) & ~nan)
+    assert bad.size == 0, (f"{what}: {bad.size} mismatches, first input #{bad[0]}: "
+                           f"{got_bits[bad[0]]:#010x} vs {exp_bits[bad[0]]:#010x}")
+    assert np.array_equal(got_bits[nan] >> 31, exp_bits[nan] >> 31), f"{what}: NaN signs differ"
+
+
+def assert_same_16(got_bits, expected, what):
+    """16-bit results: bitwise equal to ``expected`` (ml_dtypes/NumPy), a NaN only has to be a
+    quiet NaN of the same sign."""
+    exp_bits = expected.view(np.uint16)
+    nan = np.isnan(expected.astype(np.float32))
+    got_nan = np.isnan(got_bits.view(expected.dtype).astype(np.float32))
+    assert np.array_equal(got_nan, nan), (
+        f"{what}: NaN positions differ at {np.flatnonzero(got_nan != nan)[:5]}")
+    bad = np.flatnonzero((got_bits != exp_bits) & ~nan)
+    assert bad.size == 0, (f"{what}: {bad.size} mismatches, first input #{bad[0]}: "
+                           f"{got_bits[bad[0]]:#06x} vs {exp_bits[bad[0]]:#06x}")
+    assert np.array_equal(got_bits[nan] >> 15, exp_bits[nan] >> 15), f"{what}: NaN signs differ"
+    quiet_bit = np.uint16(0x0040 if expected.dtype == BF16 else 0x0200)
+    assert np.all(got_bits[nan] & quiet_bit), f"{what}: a NaN came out signalling"
+
+
+@pytest.mark.parametrize("fmt", list(CODECS))
+def test_decode_every_pattern(cpu, fmt):
+    decode_name, _, dtype = CODECS[fmt]
+    got = cpu[decode_name](ALL_16BIT)
+    expected = ALL_16BIT.view(dtype).astype(np.float32)
+    assert_same_f32(got, expected, f"{decode_name} over all 65536 patterns")
+
+
+@pytest.mark.parametrize("fmt", list(CODECS))
+def test_round_trip_every_pattern(cpu, fmt):
+    """Every non-NaN 16-bit value is exactly representable in float32 and encodes back."""
+    decode_name, encode_name, dtype = CODECS[fmt]
+    keep = ~np.isnan(ALL_16BIT.view(dtype).astype(np.float32))
+    back = cpu[encode_name](cpu[decode_name](ALL_16BIT))
+    assert np.array_equal(back[keep], ALL_16BIT[keep])
+
+
+@pytest.mark.parametrize("fmt", list(CODECS))
+def test_encode_special_values(cpu, fmt):
+    _, encode_name, dtype = CODECS[fmt]
+    values = sign_both(SPECIAL_F32).view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = values.astype(dtype)
+    assert_same_16(cpu[encode_name](values), expected, f"{encode_name} on special values")
+
+
+@pytest.mark.parametrize("fmt", list(CODECS))
+def test_encode_ties_at_every_exponent(cpu, fmt, rng):
+    _, encode_name, dtype = CODECS[fmt]
+    half = 0x8000 if dtype == BF16 else 0x1000        # half an ulp in the dropped bits
+    values = tie_patterns(rng, 200_000, [half - 1, half, half + 1, 0, 2 * half - 1])
+    values = values.view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = values.astype(dtype)
+    assert_same_16(cpu[encode_name](values), expected, f"{encode_name} around ties")
+
+
+@pytest.mark.parametrize("fmt", list(CODECS))
+def test_encode_random_bit_patterns(cpu, fmt, rng):
+    _, encode_name, dtype = CODECS[fmt]
+    values = random_f32_bits(rng, 2_000_000).view(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = values.astype(dtype)
+    assert_same_16(cpu[encode_name](values), expected, f"{encode_name} on 2M random patterns")
+
+
+@pytest.mark.parametrize("fmt", list(CODECS))
+def test_sim_namespace_agrees(cpu, fmt, rng):
+    """The simulator's codecs (the same source run as Python on NumPy scalars) give the CPU
+    namespace's bits on a sample: specials, ties and random patterns."""
+    sim = intrinsics.load("sim")
+    decode_name, encode_name, dtype = CODECS[fmt]
+    decode, encode = getattr(sim, decode_name), getattr(sim, encode_name)
+    half = 0x8000 if dtype == BF16 else 0x1000
+    values = np.concatenate([sign_both(SPECIAL_F32), random_f32_bits(rng, 2000),
+                             tie_patterns(rng, 1000, [half - 1, half, half + 1])]).view(np.float32)
+    patterns = np.concatenate([ALL_16BIT[rng.integers(0, 1 << 16, 2000)],
+                               np.array([0, 0x8000, 0x0001, 0x8001, 0x7C00, 0xFC00, 0x7F80,
+                                         0xFF80, 0x7C01, 0x7F81, 0x7FFF, 0xFFFF], np.uint16)])
+
+    got_enc = np.array([encode(v) for v in values], np.uint16)
+    got_dec = np.array([decode(p) for p in patterns], np.float32)
+
+    assert_bitwise_u(got_enc, cpu[encode_name](values), f"sim {encode_name} vs cpu")
+    assert_bitwise_u(got_dec.view(np.uint32), cpu[decode_name](patterns).view(np.uint32),
+                     f"sim {decode_name} vs cpu")
+
+
+def assert_bitwise_u(got, expected, what):
+    bad = np.flatnonzero(got != expected)
+    assert bad.size == 0, f"{what}: {bad.size} mismatches, first #{bad[0]}: {got[bad[0]]:#x} " \
+                          f"vs {expected[bad[0]]:#x}"
