@@ -134,9 +134,19 @@ def _from_cai(obj, lib, cai, device_index, reinterpret):
     ptr = cai["data"][0] or 0
     if device_index is None:
         device_index = _pointer_device(ptr)
-    info = ArrayInfo(obj, lib, ptr, shape, strides, name, CUDA, device_index)
+    info = ArrayInfo(obj, lib, ptr, shape, strides, name, _cai_device_kind(lib), device_index)
     info.cai_stream = cai.get("stream")
     return info
+
+
+def _cai_device_kind(lib):
+    """``__cuda_array_interface__`` is spoken by ROCm libraries too (CuPy-ROCm, numba-hip)."""
+    cupy = _cupy()
+    if lib == "cupy" and getattr(cupy.cuda.runtime, "is_hip", False):
+        return ROCM
+    if lib == "cai" and "numba.hip" in sys.modules and "numba.cuda" not in sys.modules:
+        return ROCM
+    return CUDA
 
 
 def _pointer_device(ptr):

@@ -32,7 +32,10 @@ def detect():
             pass
     if forced in (None, "hip"):
         try:
-            from hip import hip
+            try:
+                from rocm.bindings import hip   # hip-python as numba-hip installs it
+            except ImportError:
+                from hip import hip
             err, count = hip.hipGetDeviceCount()
             if int(err) == 0 and count > 0:
                 return "hip", "AMD GPU"
