@@ -25,11 +25,16 @@ calls.  The AMD target needs numba-hip 0.2.1 and a ROCm 7.x COMGR (``.ci/rocm-co
 compile-only environment for that on a machine without ROCm); the NVIDIA target needs numba-cuda.
 """
 import argparse
+import glob
+import importlib.util
 import json
 import multiprocessing
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -132,10 +137,43 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             shared_bytes=sum(int(n) for n in re.findall(
                 r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
         )
+        record.update(_ptxas_resources(ptx, arch))
         if keep_dir:
             with open(os.path.join(keep_dir, f"{arch}-{_file_stem(variant.label)}.ptx"), "w") as f:
                 f.write(ptx)
     return records
+
+
+def _ptxas():
+    """ptxas of the nvidia-cuda-nvcc wheel (the CUDA release of the NVVM that wrote the PTX;
+    ``pip install nvidia-cuda-nvcc``), else the one on PATH."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations if spec else []):
+        for candidate in sorted(glob.glob(os.path.join(root, "cu*", "bin", "ptxas"))):
+            return candidate
+    return shutil.which("ptxas")
+
+
+def _ptxas_resources(ptx, arch):
+    """Registers, spills and stack of the PTX assembled by ptxas for ``arch`` (what the driver's
+    JIT does when the kernel is loaded), or {} when no ptxas is installed."""
+    ptxas = _ptxas()
+    if ptxas is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, f"-arch={arch}", "-v", "-o", os.devnull, path],
+                              capture_output=True, text=True)
+    text = done.stdout + done.stderr
+    if done.returncode:
+        return {"ptxas_error": text.strip()[-500:]}
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
+    return dict(registers=number(r"Used (\d+) registers"),
+                stack_frame_bytes=number(r"(\d+) bytes stack frame"),
+                spill_store_bytes=number(r"(\d+) bytes spill stores"),
+                spill_load_bytes=number(r"(\d+) bytes spill loads"))
 
 
 def problems(record, target):

@@ -14,6 +14,12 @@ from ._gpu import GpuBackend
 
 _compile_lock = threading.Lock()
 _INVALID_CONTEXT = 201
+_UNSUPPORTED_PTX_VERSION = 222
+
+
+def _driver_ptx_version(driver_version):
+    """A PTX ISA version every driver of that CUDA major reads (13.0 -> 9.0, 12.x -> 8.0)."""
+    return "9.0" if driver_version >= 13000 else "8.0"
 
 
 @contextmanager
@@ -116,12 +122,25 @@ class CudaBackend(GpuBackend):
     def compile(self, pyfunc, argtypes, name):
         ptx, entry = compile_ptx(pyfunc, argtypes, self.cc)
         with self.current():
-            module = _check(self._driver.cuModuleLoadData(ptx.encode() + b"\0"), "cuModuleLoadData")
+            module = self._load_ptx(ptx)
             function = _check(self._driver.cuModuleGetFunction(module, entry.encode()),
                               "cuModuleGetFunction")
         kernel = CudaKernel(function, argtypes, ptx, name)
         kernel.module = module
         return kernel
+
+    def _load_ptx(self, ptx):
+        """cuModuleLoadData, stepping the PTX ISA version down to the driver's when the NVVM wheel
+        is newer than the driver (NVVM 13.5 writes .version 9.5; a CUDA 13.0 driver reads up to
+        9.0).  The kernels use no instruction newer than PTX 8.0 (sm_90)."""
+        err, module = self._driver.cuModuleLoadData(ptx.encode() + b"\0")
+        if int(err) == _UNSUPPORTED_PTX_VERSION:
+            version = _driver_ptx_version(_check(self._driver.cuDriverGetVersion(),
+                                                 "cuDriverGetVersion"))
+            ptx = re.sub(r"^\.version\s+\d+\.\d+", f".version {version}", ptx, count=1,
+                         flags=re.M)
+            err, module = self._driver.cuModuleLoadData(ptx.encode() + b"\0")
+        return _check((err, module), "cuModuleLoadData")
 
     @staticmethod
     def arg(info, dtype):
