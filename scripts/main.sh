@@ -3,11 +3,7 @@
 # present, else the CPU.  `rmsnorm-hip info`, `rmsnorm-hip check`, then `rmsnorm-hip bench`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+. scripts/_venv.sh
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     .venv/bin/python -m pip install -q -e '.[cuda,bench]'
 else

@@ -4,11 +4,7 @@
 # the gfx942/gfx950 compile of every variant.  Works on a fresh machine with no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+. scripts/_venv.sh
 .venv/bin/python -m pip install -q -e '.[test]'
 # torch for the torch-tensor tests: 2.13.0 is a CPU build on these machines (an unpinned torch
 # pulls a multi-GB CUDA build)

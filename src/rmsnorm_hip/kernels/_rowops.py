@@ -20,13 +20,15 @@ class ChunkIO:
         self.load, self.store = _make_chunk_io(intr, dtype, chunk, n, vector)
 
 
-def _codec(intr, dtype):
-    """(decode, encode, pack two) of a 16-bit dtype; Nones for float32."""
+def codec(intr, dtype):
+    """(decode, encode, pack two) between float32 and an element of ``dtype`` as stored
+    (pack two: None for float32, whose elements are whole words)."""
     if dtype == _dtypes.BFLOAT16:
         return intr.bf16_to_f32, intr.f32_to_bf16, intr.pack_bf16x2
     if dtype == _dtypes.FLOAT16:
         return intr.f16_to_f32, intr.f32_to_f16, intr.pack_f16x2
-    return None, None, None
+    as_f32 = intr.jitable(lambda v: float32(v))
+    return as_f32, as_f32, None
 
 
 def _make_chunk_io(intr, dtype, chunk, n, vector):
@@ -34,8 +36,8 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
     itemsize = _dtypes.ITEMSIZE[dtype]
     n_vec = ceil_div(chunk * itemsize, CHUNK_BYTES)      # 128-bit accesses per chunk
     elems_per_vec = CHUNK_BYTES // itemsize
-    decode, encode, pack2 = _codec(intr, dtype)
-    half = decode is not None
+    decode, encode, pack2 = codec(intr, dtype)
+    half = pack2 is not None
     u32_as_f32, f32_as_u32 = intr.u32_as_f32, intr.f32_as_u32
     load_b128, store_b128 = getattr(intr, "load_b128", None), getattr(intr, "store_b128", None)
 

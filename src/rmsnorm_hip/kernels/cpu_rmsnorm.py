@@ -9,28 +9,13 @@ import numpy as np
 from numba import float32, prange
 
 from .. import _dtypes
+from ._rowops import codec
 
 LANES = 8
 
 
-def _decoder(intr, dtype):
-    if dtype == _dtypes.BFLOAT16:
-        return intr.bf16_to_f32
-    if dtype == _dtypes.FLOAT16:
-        return intr.f16_to_f32
-    return intr.jitable(lambda v: float32(v))
-
-
-def _encoder(intr, dtype):
-    if dtype == _dtypes.BFLOAT16:
-        return intr.f32_to_bf16
-    if dtype == _dtypes.FLOAT16:
-        return intr.f32_to_f16
-    return intr.jitable(lambda v: float32(v))
-
-
 def make_row_sumsq(intr, dtype):
-    decode = _decoder(intr, dtype)
+    decode = codec(intr, dtype)[0]
 
     @intr.jitable
     def row_sumsq(row, n):
@@ -65,8 +50,8 @@ def make_cpu_rmsnorm_fwd(intr, dtype, weight_dtype, parallel):
     """fwd(x (M, N), weight (N,), y (M, N), rstd (M,), eps, weight_offset, store_rstd) in storage
     dtypes; rows may be strided.  ``parallel`` spreads rows over cores (worth it past ~1M
     elements: waking the thread pool costs milliseconds on small inputs)."""
-    decode, encode = _decoder(intr, dtype), _encoder(intr, dtype)
-    decode_w = _decoder(intr, weight_dtype or _dtypes.FLOAT32)
+    decode, encode, _ = codec(intr, dtype)
+    decode_w = codec(intr, weight_dtype or _dtypes.FLOAT32)[0]
     has_weight = bool(weight_dtype)
     row_sumsq = make_row_sumsq(intr, dtype)
 
