@@ -11,10 +11,12 @@
 #   python -m rmsnorm_hip.aot --target hip --arch gfx942 --arch gfx950 --report ...
 # in it, which prints one table line per kernel.  Exits non-zero on any compile error, any scratch
 # bytes or VGPR/SGPR spills, a vector-path kernel without global_load_dwordx4 /
-# global_store_dwordx4, a main kernel (vector path, one row per block) over 64 VGPRs, or when the
+# global_store_dwordx4, a main kernel (vector path, one cached row per block) over 64 VGPRs, a
+# kernel whose block cannot be resident with its VGPRs (src/rmsnorm_hip/aot.py), or when the
 # environment cannot be built.  The reports are written either way.  Needs root.
-# Measured on this 2-core machine: environment 61-99 s cold / 2-3 s warm; compiles 1-3 min
-# (176 variants x 2 arches, ~0.3 s of CPU per kernel and arch, two worker processes).
+# Measured on this 2-core machine: environment 61-99 s cold / 2-3 s warm; compiles 2-3 min
+# (239 variants x 2 arches, ~0.3 s of CPU per rms_norm kernel and arch, ~1.5 s per fused one, two
+# worker processes).
 set -Eeuo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -85,6 +85,52 @@ def assert_close(out, ref, dtype):
                 f"({err[first] / ulp(ref[first], dtype):.2f} ulp)")
 
 
+# API.md, quantised outputs: |q - q_ref| <= 1 level everywhere, equal for > 99.9% of elements;
+# yscale like rstd (relative error < 1e-5)
+QUANT_DTYPES = ("int8", "float8_e4m3fn")
+QUANT_NUMPY = {"int8": np.dtype(np.int8), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
+QUANT_MAX_LEVELS = 1
+QUANT_EQUAL_PER_MILLE = 999
+QUANT_TIE = 1e-5
+
+
+def quant_levels(q, quant_dtype):
+    """Signed level index of each element of q (int8 values, or float8 e4m3fn values / bits as
+    sign and magnitude code: adjacent representable values differ by 1; -0 and +0 are 0)."""
+    q = np.asarray(q)
+    if quant_dtype == "int8":
+        return q.astype(np.int64)
+    if q.dtype != np.uint8:
+        q = np.asarray(q, np.float64).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    code = (q & 0x7F).astype(np.int64)
+    return np.where(q & 0x80, -code, code)
+
+
+def assert_quant_close(q, yscale, q_ref, yscale_ref, quant_dtype):
+    """q (the kernel's int8 / float8 output) against the reference quotient ``q_ref`` = y / yscale
+    (float64, unrounded; reference.rms_norm_quant_ref): within one level of its rounding
+    everywhere, and equal to it for more than 99.9% (QUANT_EQUAL_PER_MILLE) of the elements
+    whose rounding is decided.  A quotient within QUANT_TIE relative of a midpoint between two
+    levels may round either way (float32 against float64 arithmetic; bf16 data makes exact ties
+    common), so those are left out of the count.  yscale within TOLERANCES[float32] of its reference."""
+    from rmsnorm_hip.reference import quantize_ref
+    q_ref = np.asarray(q_ref, np.float64)
+    got, ref = quant_levels(q, quant_dtype), quant_levels(quantize_ref(q_ref, quant_dtype),
+                                                         quant_dtype)
+    assert got.shape == ref.shape, f"q shape {got.shape} != reference shape {ref.shape}"
+    diff = np.abs(got - ref)
+    worst = int(diff.max(initial=0))
+    where = np.unravel_index(np.argmax(diff), diff.shape)
+    assert worst <= QUANT_MAX_LEVELS, f"{quant_dtype}: q off by {worst} levels at {where}"
+    decided = (quantize_ref(q_ref * (1 + QUANT_TIE), quant_dtype)
+               == quantize_ref(q_ref * (1 - QUANT_TIE), quant_dtype))
+    unequal = int(np.count_nonzero(diff[decided]))
+    # more than 99.9% equal, in integers: (size - unequal) / size > 999 / 1000
+    assert 1000 * (diff.size - unequal) > QUANT_EQUAL_PER_MILLE * diff.size, (
+        f"{quant_dtype}: q differs from the reference in {unequal} of {diff.size} elements")
+    assert_close(yscale, yscale_ref, FLOAT32)
+
+
 def assert_bitwise(a, b, what="arrays"):
     """Same shape, dtype and bits (NaN payloads included)."""
     a, b = np.asarray(a), np.asarray(b)

@@ -1,12 +1,15 @@
-"""Ahead-of-time compilation of every forward kernel variant to sm_90 PTX, no GPU needed.
+"""Ahead-of-time compilation of every kernel variant the dispatcher can launch
+(``kernels/catalog.variants()``, the set ``rmsnorm-hip compile`` builds for AMD) to sm_90 PTX, no
+GPU needed.
 
 The pytest process runs numba.cuda as the simulator (tests/conftest.py), so the compilation runs
 in a subprocess with NUMBA_ENABLE_CUDASIM=0: this file run as a script (``python
-tests/test_compile.py DTYPE FLAVOR``) compiles the variants of one dtype and path flavor
-(tests/_paths.py) and prints one JSON line per variant.  Checked per variant: it compiles;
-vector variants use 128-bit global loads and stores (``ld.global.v4`` / ``st.global.v4``);
-scalar variants, which run on any alignment, issue no vector global access; nothing uses local
-memory (``__local_depot``: spills or a stack array).
+tests/test_compile.py OP DTYPE``) compiles the catalog's variants of one op and dtype and prints
+one JSON line per variant.  Checked per variant: it compiles; vector variants use 128-bit global
+loads (``ld.global.v4``), 128-bit stores (``st.global.v4``) where they store rows of x's width,
+and no byte-by-byte stores (a quantised row's chunk goes out as one 64- / 32-bit store); scalar
+variants, which run on any alignment, issue no vector global access; nothing uses local memory
+(``__local_depot``: spills or a stack array).
 """
 import json
 import os
@@ -18,45 +21,26 @@ from pathlib import Path
 import pytest
 
 CC = (9, 0)
-DTYPES = ("float32", "float16", "bfloat16")
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
 
-# flavor of tests/_paths.py -> also compile a ragged N.  The multi-row path with one thread, one
-# warp and several warps per row, the cached single-row path and the looped one.
-COMPILE_FLAVORS = {"multirow_1thread": False, "multirow_warp": True, "multirow_warps": False,
-                   "row": False, "looped": True}
+
+def shard_of(variant):
+    return variant.op, getattr(variant.spec, "dtype", "")
 
 
-def fwd_variants(dtype, flavors=tuple(COMPILE_FLAVORS)):
-    """Every forward kernel variant for ``dtype``: (flavor, N, weight dtype, vector, store_rstd).
-    Per flavor an N that allows vector access (N a whole number of 16-byte chunks: vector and
-    scalar variants) and, for some, a ragged one (scalar only).  These are the flags the
-    dispatcher picks among (backends/_gpu.py); `rmsnorm-hip compile` may take this over."""
-    from _paths import pick_n
-    weights = ["", dtype] + (["float32"] if dtype != "float32" else [])
-    out = []
-    for flavor in flavors:
-        ns = [(pick_n(flavor, dtype, True), True)]
-        if COMPILE_FLAVORS[flavor]:
-            ns.append((pick_n(flavor, dtype, False), False))
-        for n, vector_ok in ns:
-            for weight in weights:
-                for vector in ((True, False) if vector_ok else (False,)):
-                    for store_rstd in (True, False):
-                        out.append((flavor, n, weight, vector, store_rstd))
-    return out
+def catalog_variants(shard=None):
+    from rmsnorm_hip.kernels import catalog
+    return [v for v in catalog.variants() if shard is None or shard_of(v) == tuple(shard)]
 
 
-def label(variant):
-    flavor, n, weight, vector, store_rstd = variant
-    return (f"{flavor}:N={n}:w={weight or 'none'}:{'vec' if vector else 'scalar'}"
-            f":rstd={int(store_rstd)}")
+def shards():
+    return sorted({shard_of(v) for v in catalog_variants()})
 
 
-def compile_variants(dtype, flavor):
-    """Subprocess side: compile the variants of one dtype and flavor, one JSON line each (or one
-    skip line)."""
+def compile_variants(op, dtype):
+    """Subprocess side: compile the variants of one shard, one JSON line each (or one skip
+    line)."""
     try:
         from numba.cuda.cudadrv import nvvm
         nvvm.NVVM()
@@ -65,15 +49,13 @@ def compile_variants(dtype, flavor):
         return
     from rmsnorm_hip import intrinsics
     from rmsnorm_hip.backends.cuda import compile_ptx
-    from rmsnorm_hip.kernels import _config, rmsnorm_fwd
     intr = intrinsics.load("cuda")
-    for variant in fwd_variants(dtype, (flavor,)):
-        _, n, weight, vector, store_rstd = variant
-        spec = _config.fwd_spec(n, dtype, weight, vector, store_rstd)
-        record = {"label": label(variant), "vector": vector}
+    for variant in catalog_variants((op, dtype)):
+        vector = bool(getattr(variant.spec, "vector", False))
+        record = {"label": variant.label, "vector": vector,
+                  "full_width_store": variant.full_width_store}
         try:
-            ptx, entry = compile_ptx(rmsnorm_fwd.make_rmsnorm_fwd(intr, spec),
-                                     rmsnorm_fwd.argtypes(spec), CC)
+            ptx, entry = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, CC)
         except Exception as exc:
             record["error"] = f"{type(exc).__name__}: {exc}"
         else:
@@ -82,6 +64,7 @@ def compile_variants(dtype, flavor):
                 target=(re.search(r"\.target\s+(\w+)", ptx) or [None, None])[1],
                 ld_v4=bool(re.search(r"\bld\.global(\.\w+)*\.v4\.", ptx)),
                 st_v4=bool(re.search(r"\bst\.global(\.\w+)*\.v4\.", ptx)),
+                st_byte=bool(re.search(r"\bst\.global(\.\w+)*\.[usb]8\b", ptx)),
                 global_vector=sorted(set(re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*\.v\d\.\w+",
                                                     ptx))),
                 local_depot="__local_depot" in ptx)
@@ -89,20 +72,20 @@ def compile_variants(dtype, flavor):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("flavor", list(COMPILE_FLAVORS))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_compile_every_fwd_variant(dtype, flavor):
+@pytest.mark.parametrize("op,dtype", shards(), ids=lambda v: str(v))
+def test_compile_every_variant(op, dtype):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
                PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), str(TESTS),
                                                          os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, __file__, dtype, flavor], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, __file__, op, dtype], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if records and "skip" in records[0]:
         pytest.skip(records[0]["skip"])
 
-    expected = [label(v) for v in fwd_variants(dtype, (flavor,))]
+    expected = [v.label for v in catalog_variants((op, dtype))]
+    assert expected, f"no catalog variant for {op} {dtype}"
     assert [r["label"] for r in records] == expected, proc.stderr[-4000:]
     failures = []
     for r in records:
@@ -112,17 +95,33 @@ def test_compile_every_fwd_variant(dtype, flavor):
         else:
             if r["target"] != f"sm_{CC[0]}{CC[1]}":
                 problems.append(f"target {r['target']}")
-            if r["vector"] and not (r["ld_v4"] and r["st_v4"]):
+            if r["vector"] and not (r["ld_v4"] and (r["st_v4"] or not r["full_width_store"])):
                 problems.append(f"vector variant without 128-bit global load/store "
                                 f"(found {r['global_vector']})")
+            if r["vector"] and r["st_byte"]:
+                problems.append("vector variant stores bytes one by one")
             if not r["vector"] and r["global_vector"]:
                 problems.append(f"scalar variant issues vector global accesses "
                                 f"{r['global_vector']}")
             if r["local_depot"]:
                 problems.append("uses local memory (__local_depot)")
         if problems:
-            failures.append(f"{dtype} {r['label']}: {'; '.join(problems)}")
+            failures.append(f"{r['label']}: {'; '.join(problems)}")
     assert not failures, "\n".join(failures)
+
+
+def test_catalog_covers_every_forward_path():
+    """The catalog (what is compiled here and for AMD) has each forward path with vector and
+    scalar access for each op and dtype."""
+    from rmsnorm_hip.kernels import catalog
+    from _paths import path_of
+    seen = {(v.op, v.spec.dtype, path_of(v.spec.layout, v.spec.rows), v.spec.vector)
+            for v in catalog.variants() if v.op in ("fwd", "fused_add", "quant")}
+    for op in ("fwd", "fused_add", "quant"):
+        for dtype in ("float32", "float16", "bfloat16"):
+            for path in ("multirow", "row", "looped"):
+                for vector in (True, False):
+                    assert (op, dtype, path, vector) in seen, (op, dtype, path, vector)
 
 
 if __name__ == "__main__":

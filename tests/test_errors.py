@@ -1,12 +1,13 @@
-"""rms_norm's argument errors (API.md): the exception type, a message naming the argument, what was
-expected and what was given, and nothing written — inputs and out= keep their bits."""
+"""The entry points' argument errors (API.md): the exception type, a message naming the function,
+the argument, what was expected and what was given, and nothing written — inputs and out= keep
+their bits."""
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 from conftest import assert_bitwise, random_array
 
-from rmsnorm_hip import rms_norm
+from rmsnorm_hip import fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
 
 M, N = 3, 8
 
@@ -58,6 +59,7 @@ class Case:
     match: str
     env: dict = field(default_factory=dict)
     marks: tuple = ()
+    fn: object = rms_norm
 
 
 CASES = [
@@ -161,6 +163,99 @@ CASES = [
 ]
 
 
+# ---- fused_add_rms_norm, fused_add_rms_norm_, rms_norm_quant ----------------------------------
+FA, FI, RQ = fused_add_rms_norm, fused_add_rms_norm_, rms_norm_quant
+
+
+def overlapping_pair(rng):
+    buf = f32(rng, (M + 1, N))
+    return (buf[:M], buf[1:]), {}                             # residual starts one row into x
+
+
+def same_buffer_pair(rng):
+    x = f32(rng)
+    return (x, x), {}
+
+
+def weight_inside_x(rng):
+    x = f32(rng)
+    return (x, f32(rng), x[1]), {}
+
+
+CASES += [
+    Case("fused_x_float64", lambda r: ((f32(r).astype(np.float64), f32(r)), {}), TypeError,
+         r"fused_add_rms_norm: x must have dtype float32, float16 or bfloat16, got float64",
+         fn=FA),
+    Case("fused_residual_dtype", lambda r: ((bf16(r), f32(r)), {}), TypeError,
+         r"fused_add_rms_norm: residual must have dtype bfloat16, got float32", fn=FA),
+    Case("fused_residual_shape", lambda r: ((f32(r), f32(r, (M, N + 1))), {}), ValueError,
+         r"fused_add_rms_norm: residual must have shape \(3, 8\), got \(3, 9\)", fn=FA),
+    Case("fused_residual_list", lambda r: ((f32(r), [[1.0] * N] * M), {}), TypeError,
+         r"fused_add_rms_norm: residual must be a NumPy, CuPy or torch array.*builtins\.list",
+         fn=FA),
+    Case("fused_residual_negative_stride", lambda r: ((f32(r), f32(r)[::-1]), {}), ValueError,
+         r"fused_add_rms_norm: residual row stride must be >= .*got strides \(-8, 1\)", fn=FA),
+    Case("fused_weight_shape", lambda r: ((f32(r), f32(r), f32(r, (N - 1,))), {}), ValueError,
+         r"fused_add_rms_norm: weight must have shape \(8,\), got \(7,\)", fn=FA),
+    Case("fused_eps_negative", lambda r: ((f32(r), f32(r), None, -1.0), {}), ValueError,
+         r"fused_add_rms_norm: eps must be a finite number >= 0, got -1.0", fn=FA),
+    Case("fused_offset_without_weight", lambda r: ((f32(r), f32(r)), dict(weight_offset=1.0)),
+         ValueError, r"fused_add_rms_norm: weight_offset must be 0.0 when weight is None, got 1.0",
+         fn=FA),
+    Case("fused_dtype_keyword", lambda r: ((bf16(r).view(np.uint16), f32(r)),
+                                           dict(dtype="bfloat16")), TypeError,
+         r"fused_add_rms_norm: residual must have dtype bfloat16, got float32", fn=FA),
+    # in place
+    Case("in_place_residual_dtype", lambda r: ((f32(r), bf16(r)), {}), TypeError,
+         r"fused_add_rms_norm_: residual must have dtype float32, got bfloat16", fn=FI),
+    Case("in_place_x_read_only", lambda r: ((read_only(f32(r)), f32(r)), {}), ValueError,
+         r"fused_add_rms_norm_: x must be writeable, got a read-only array", fn=FI),
+    Case("in_place_residual_read_only", lambda r: ((f32(r), read_only(f32(r))), {}), ValueError,
+         r"fused_add_rms_norm_: residual must be writeable, got a read-only array", fn=FI),
+    Case("in_place_overlapping_rows", overlapping_pair, ValueError,
+         r"fused_add_rms_norm_: residual overlaps x; the arrays written in place must not share "
+         r"memory", fn=FI),
+    Case("in_place_same_array", same_buffer_pair, ValueError,
+         r"fused_add_rms_norm_: residual overlaps x", fn=FI),
+    Case("in_place_weight_inside_x", weight_inside_x, ValueError,
+         r"fused_add_rms_norm_: x overlaps weight", fn=FI),
+    Case("in_place_shape", lambda r: ((f32(r), f32(r, (M + 1, N))), {}), ValueError,
+         r"fused_add_rms_norm_: residual must have shape \(3, 8\), got \(4, 8\)", fn=FI),
+    # quantised
+    Case("quant_dtype_unknown", lambda r: ((f32(r),), dict(quant_dtype="int4")), ValueError,
+         r"rms_norm_quant: quant_dtype must be 'int8' or 'float8_e4m3fn', got 'int4'", fn=RQ),
+    Case("quant_dtype_uint8", lambda r: ((f32(r),), dict(quant_dtype=np.uint8)), ValueError,
+         r"rms_norm_quant: quant_dtype must be 'int8' or 'float8_e4m3fn', got <class", fn=RQ),
+    Case("quant_dtype_fnuz", lambda r: ((f32(r),), dict(quant_dtype="float8_e4m3fnuz")),
+         ValueError, r"rms_norm_quant: quant_dtype must be .*got 'float8_e4m3fnuz'", fn=RQ),
+    Case("quant_dtype_none", lambda r: ((f32(r),), dict(quant_dtype=None)), ValueError,
+         r"rms_norm_quant: quant_dtype must be .*got None", fn=RQ),
+    Case("quant_x_int8", lambda r: ((np.ones((M, N), np.int8),), {}), TypeError,
+         r"rms_norm_quant: x must have dtype float32, float16 or bfloat16, got int8", fn=RQ),
+    Case("xscale_shape", lambda r: ((f32(r),), dict(xscale=f32(r, (N + 1,)))), ValueError,
+         r"rms_norm_quant: xscale must have shape \(8,\), got \(9,\)", fn=RQ),
+    Case("xscale_float16_for_bf16", lambda r: ((bf16(r),),
+                                               dict(xscale=f32(r, (N,)).astype(np.float16))),
+         TypeError, r"rms_norm_quant: xscale must have dtype bfloat16 or float32 for x of dtype "
+                    r"bfloat16, got float16", fn=RQ),
+    Case("xscale_float64", lambda r: ((f32(r),), dict(xscale=f32(r, (N,)).astype(np.float64))),
+         TypeError, r"rms_norm_quant: xscale must have dtype float32 for x of dtype float32, "
+                    r"got float64", fn=RQ),
+    Case("xscale_stride_2", lambda r: ((f32(r),), dict(xscale=f32(r, (2 * N,))[::2])),
+         ValueError, r"rms_norm_quant: xscale must be contiguous, got stride 2", fn=RQ),
+    Case("quant_residual_dtype", lambda r: ((f32(r),), dict(residual=bf16(r))), TypeError,
+         r"rms_norm_quant: residual must have dtype float32, got bfloat16", fn=RQ),
+    Case("quant_residual_shape", lambda r: ((f32(r),), dict(residual=f32(r, (M, 1)))), ValueError,
+         r"rms_norm_quant: residual must have shape \(3, 8\), got \(3, 1\)", fn=RQ),
+    Case("quant_weight_dtype", lambda r: ((f32(r), bf16(r, (N,))), {}), TypeError,
+         r"rms_norm_quant: weight must have dtype float32 for x of dtype float32, got bfloat16",
+         fn=RQ),
+    Case("quant_backend_cuda_numpy", lambda r: ((f32(r),), {}), ValueError,
+         r"rms_norm_quant: RMSNORM_HIP_BACKEND=cuda needs device arrays",
+         env={"RMSNORM_HIP_BACKEND": "cuda"}, fn=RQ),
+]
+
+
 def snapshot(args, kwargs):
     arrays = [a for a in list(args) + list(kwargs.values()) if isinstance(a, np.ndarray)]
     return [(a, a.copy()) for a in arrays]
@@ -174,7 +269,7 @@ def test_error(rng, monkeypatch, case):
     before = snapshot(args, kwargs)
 
     with pytest.raises(case.exc, match=case.match):
-        rms_norm(*args, **kwargs)
+        case.fn(*args, **kwargs)
 
     for i, (array, copy) in enumerate(before):
         assert_bitwise(array, copy, f"array argument {i} after the error")
@@ -186,6 +281,27 @@ def test_every_case_is_valid_once_fixed(rng):
     x = f32(rng)
     y = rms_norm(x, f32(rng, (N,)), 1e-6, weight_offset=1.0, out=f32(rng))
     assert np.isfinite(y).all()
+
+
+def test_new_entry_points_valid_once_fixed(rng):
+    """The fused and quantised cases' good twins run."""
+    x, residual, w = f32(rng), f32(rng), f32(rng, (N,))
+    y, ro = fused_add_rms_norm(x, residual, w, weight_offset=1.0)
+    fused_add_rms_norm_(x.copy(), residual.copy(), w)
+    q, yscale, ro2 = rms_norm_quant(x, w, xscale=f32(rng, (N,)), residual=residual,
+                                    quant_dtype="float8_e4m3fn")
+    assert np.isfinite(y).all() and np.isfinite(yscale).all() and q.shape == x.shape
+
+
+def test_xscale_and_residual_from_another_library(rng):
+    torch = pytest.importorskip("torch")
+    x = f32(rng)
+    with pytest.raises(ValueError, match=r"rms_norm_quant: xscale must come from the same array "
+                                         r"library as x \(numpy\), got torch"):
+        rms_norm_quant(x, xscale=torch.ones(N))
+    with pytest.raises(ValueError, match=r"fused_add_rms_norm: residual must come from the same "
+                                         r"array library as x \(numpy\), got torch"):
+        fused_add_rms_norm(x, torch.ones(M, N))
 
 
 def test_weight_from_another_library(rng):

@@ -67,3 +67,40 @@ def test_assert_bitwise_sees_nan_payloads_and_signed_zero():
         assert_bitwise(a, b)
     with pytest.raises(AssertionError, match="differ bitwise"):
         assert_bitwise(np.array([0.0], np.float32), np.array([-0.0], np.float32))
+
+
+@pytest.mark.parametrize("quant_dtype", ["int8", "float8_e4m3fn"])
+def test_assert_quant_close_bounds(rng, quant_dtype):
+    """One level off is allowed on < 0.1% of the decided elements, two never; ties may go
+    either way; yscale is held to 1e-5."""
+    from conftest import QUANT_NUMPY, assert_quant_close, quant_levels
+    from rmsnorm_hip.reference import quantize_ref
+    qmax = 127.0 if quant_dtype == "int8" else 448.0
+    quotient = rng.uniform(-qmax, qmax, (50, 100))
+    quotient[quotient == 0] = 1.0
+    levels = quantize_ref(quotient, quant_dtype)
+    yscale = rng.uniform(0.5, 2, 50)
+    q = levels.astype(QUANT_NUMPY[quant_dtype])
+    assert_quant_close(q, yscale.astype(np.float32), quotient, yscale, quant_dtype)
+
+    def shifted(count, by):
+        code = quant_levels(q, quant_dtype).reshape(-1).copy()
+        picks = rng.choice(np.flatnonzero(np.abs(code) < 100), count, replace=False)
+        code[picks] += by
+        if quant_dtype == "int8":
+            return code.astype(np.int8).reshape(q.shape)
+        bits = np.where(code < 0, 0x80 | -code, code).astype(np.uint8)
+        return bits.view(QUANT_NUMPY[quant_dtype]).reshape(q.shape)
+
+    assert_quant_close(shifted(4, 1), yscale, quotient, yscale, quant_dtype)   # 4 < 5 = 0.1%
+    with pytest.raises(AssertionError, match="differs from the reference in 5 of 5000"):
+        assert_quant_close(shifted(5, 1), yscale, quotient, yscale, quant_dtype)
+    with pytest.raises(AssertionError, match="off by 2 levels"):
+        assert_quant_close(shifted(1, 2), yscale, quotient, yscale, quant_dtype)
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_quant_close(q, yscale * (1 + 2e-5), quotient, yscale, quant_dtype)
+    # exact ties (x.5 levels for int8, midpoints for fp8) round either way without counting
+    tie = np.array([[2.5, -6.5] if quant_dtype == "int8" else [2.375, -13.5]])
+    either = np.array([[3, -7] if quant_dtype == "int8" else [2.25, -13.0]])   # not to even
+    assert_quant_close(either.astype(QUANT_NUMPY[quant_dtype]), np.ones(1), tie, np.ones(1),
+                       quant_dtype)

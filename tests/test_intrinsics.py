@@ -180,3 +180,99 @@ def assert_bitwise_u(got, expected, what):
     bad = np.flatnonzero(got != expected)
     assert bad.size == 0, f"{what}: {bad.size} mismatches, first #{bad[0]}: {got[bad[0]]:#x} " \
                           f"vs {expected[bad[0]]:#x}"
+
+
+# ---- the 8-bit quantised encoders ---------------------------------------------------------------
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.fixture(scope="module")
+def cpu8():
+    intr = intrinsics.load("cpu")
+    return {"f32_to_e4m3": _njit_map(intr.f32_to_e4m3, np.uint32),
+            "f32_to_i8": _njit_map(intr.f32_to_i8, np.int32)}
+
+
+def e4m3_expected(values):
+    """ml_dtypes' float8_e4m3fn rounding (ties to even) of float32 ``values`` saturated to
+    +-448 (ml_dtypes turns out-of-range values into NaN; ours saturate, infinities too)."""
+    with np.errstate(invalid="ignore"):
+        return np.clip(values, -448.0, 448.0).astype(E4M3)
+
+
+def assert_same_e4m3(got_bits, values, what):
+    """uint32 results whose low byte is the e4m3fn encoding: bitwise ml_dtypes' (a NaN only has to
+    be a NaN of the same sign), nothing above the low byte."""
+    assert not np.any(got_bits >> np.uint32(8)), f"{what}: bits above the low byte"
+    got = got_bits.astype(np.uint8)
+    expected = e4m3_expected(values).view(np.uint8)
+    nan = np.isnan(values)
+    assert np.array_equal((got & 0x7F) == 0x7F, nan), f"{what}: NaN positions differ"
+    bad = np.flatnonzero((got != expected) & ~nan)
+    assert bad.size == 0, (f"{what}: {bad.size} mismatches, first {values[bad[0]]!r}: "
+                           f"{got[bad[0]]:#04x} vs {expected[bad[0]]:#04x}")
+    assert np.array_equal(got[nan] >> 7, (values[nan].view(np.uint32) >> 31).astype(np.uint8)), \
+        f"{what}: NaN signs differ"
+
+
+def test_e4m3_encode_every_rounding_case(cpu8):
+    """Exhaustive over what decides an e4m3fn encoding: every pattern of a float32's upper 16 bits
+    (sign, exponent, 7 mantissa bits: the kept bits, the rounding bit and the next bits at every
+    exponent, subnormal results included) with the lower 16 bits zero, one, a half-way pattern
+    and all ones (lower bits only ever act as a sticky bit)."""
+    upper = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    values = np.concatenate([upper | np.uint32(low) for low in (0, 1, 0x8000, 0xFFFF)])
+    values = values.view(np.float32)
+    assert_same_e4m3(cpu8["f32_to_e4m3"](values), values, "f32_to_e4m3, every rounding case")
+
+
+def test_e4m3_encode_random_and_every_value(cpu8, rng):
+    """2M random float32 patterns; every finite e4m3fn value and the midpoints between
+    neighbours (ties to even) encode like ml_dtypes."""
+    values = random_f32_bits(rng, 2_000_000).view(np.float32)
+    assert_same_e4m3(cpu8["f32_to_e4m3"](values), values, "f32_to_e4m3 on random patterns")
+    finite = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+    finite = np.sort(finite[np.isfinite(finite)])
+    mids = ((finite[1:].astype(np.float64) + finite[:-1]) / 2).astype(np.float32)
+    values = np.concatenate([finite, mids, np.float32([448.0, 464.0, 465.0, 1e9, np.inf])])
+    values = np.concatenate([values, -values])
+    assert_same_e4m3(cpu8["f32_to_e4m3"](values), values, "f32_to_e4m3 on values and midpoints")
+    assert np.all(cpu8["f32_to_e4m3"](np.float32([np.inf, 1e30, 464.0])) == 0x7E), "saturates"
+
+
+def test_i8_encode(cpu8, rng):
+    """int8 levels: round half to even, saturate at +-127, NaN -> 0."""
+    ties = np.arange(-140, 140, dtype=np.float32) + np.float32(0.5)
+    near = np.concatenate([ties, np.nextafter(ties, np.float32(np.inf)),
+                           np.nextafter(ties, -np.float32(np.inf))])
+    values = np.concatenate([near, rng.uniform(-300, 300, 100_000).astype(np.float32),
+                             np.float32([0.0, -0.0, 127.0, -127.0, 1e30, -1e30, np.inf,
+                                         -np.inf])])
+    got = cpu8["f32_to_i8"](values)
+    expected = np.clip(np.rint(values.astype(np.float64)), -127, 127).astype(np.int32)
+    bad = np.flatnonzero(got != expected)
+    assert bad.size == 0, f"{bad.size} mismatches, first {values[bad[0]]!r}: {got[bad[0]]}"
+    assert cpu8["f32_to_i8"](np.float32([np.nan, -np.nan])).tolist() == [0, 0]
+
+
+def test_sim_namespace_agrees_on_8bit_encoders(cpu8, rng):
+    sim = intrinsics.load("sim")
+    values = np.concatenate([random_f32_bits(rng, 3000).view(np.float32),
+                             rng.uniform(-500, 500, 2000).astype(np.float32),
+                             np.float32([0.0, -0.0, np.nan, np.inf, -np.inf, 0.5, 1.5, 2.5,
+                                         448.0, 464.0, 2.0 ** -10, 2.0 ** -9 * 1.5])])
+    got_e4m3 = np.array([sim.f32_to_e4m3(v) for v in values], np.uint32)
+    got_i8 = np.array([sim.f32_to_i8(v) for v in values], np.int32)
+    assert_bitwise_u(got_e4m3, cpu8["f32_to_e4m3"](values), "sim f32_to_e4m3 vs cpu")
+    assert_bitwise_u(got_i8.view(np.uint32), cpu8["f32_to_i8"](values).view(np.uint32),
+                     "sim f32_to_i8 vs cpu")
+
+
+def test_max_nan():
+    """The NaN-winning max of warp_max and the row max, in both namespaces."""
+    for intr in (intrinsics.load("sim"), intrinsics.load("cpu")):
+        max_nan = intr.max_nan if intr.name == "sim" else numba.njit(
+            lambda a, b, f=intr.max_nan: f(a, b))
+        one, two, nan = np.float32(1), np.float32(2), np.float32(np.nan)
+        assert max_nan(one, two) == 2 and max_nan(two, one) == 2
+        assert np.isnan(max_nan(nan, one)) and np.isnan(max_nan(one, nan))

@@ -1,7 +1,7 @@
 """API.md's numerical contract as a function: used by ``rmsnorm-hip check`` (tests keep their own)."""
 import numpy as np
 
-from . import _dtypes
+from . import _dtypes, reference
 
 _MANTISSA = {_dtypes.FLOAT32: 23, _dtypes.FLOAT16: 10, _dtypes.BFLOAT16: 7}
 _MIN_EXP = {_dtypes.FLOAT32: -126, _dtypes.FLOAT16: -14, _dtypes.BFLOAT16: -126}
@@ -28,3 +28,32 @@ def within_contract(out, ref, dtype):
         return rel < 1e-5, rel, err_ulp
     ok = rel < 8e-3 and bool(np.all(np.abs(out - ref) <= 2 * ulp(ref, dtype) + 1e-6))
     return ok, rel, err_ulp
+
+
+def _levels(q, quant_dtype):
+    """Signed level index of int8 / float8 e4m3fn values (adjacent representable values: 1
+    apart; float8 through its sign-magnitude code)."""
+    q = np.asarray(q)
+    if quant_dtype == _dtypes.INT8:
+        return q.astype(np.int64)
+    bits = np.asarray(q, np.float64).astype(_dtypes.NUMPY[quant_dtype]).view(np.uint8)
+    code = (bits & 0x7F).astype(np.int64)
+    return np.where(bits & 0x80, -code, code)
+
+
+def quant_within_contract(q, yscale, q_ref, yscale_ref, quant_dtype, tie=1e-5):
+    """(ok, yscale relative error, largest level difference) of a quantised output against the
+    reference quotient ``q_ref`` (reference.rms_norm_quant_ref): every level within 1 of its
+    rounding, equal for more than 99.9% of the elements whose rounding is decided (a quotient
+    within ``tie`` relative of a midpoint may round either way), yscale relative error < 1e-5."""
+    got = _levels(q, quant_dtype)
+    ref = _levels(reference.quantize_ref(q_ref, quant_dtype), quant_dtype)
+    if got.shape != ref.shape:
+        return False, float("inf"), float("inf")
+    diff = np.abs(got - ref)
+    decided = (reference.quantize_ref(q_ref * (1 + tie), quant_dtype)
+               == reference.quantize_ref(q_ref * (1 - tie), quant_dtype))
+    unequal = int(np.count_nonzero(diff[decided]))
+    ok_levels = int(diff.max(initial=0)) <= 1 and 1000 * (diff.size - unequal) > 999 * diff.size
+    ok_scale, rel, _ = within_contract(yscale, yscale_ref, _dtypes.FLOAT32)
+    return ok_levels and ok_scale, rel, float(diff.max(initial=0))

@@ -3,6 +3,8 @@ the argument, what was expected and what was given.  Types raise TypeError; shap
 dtype combinations, devices and values raise ValueError.  Nothing is launched before these pass."""
 import math
 
+import numpy as np
+
 from . import _dtypes
 
 
@@ -105,10 +107,11 @@ def reinterpreted(info, reinterpret, fn):
                          f"{info.dtype}")
 
 
-def output(info, like, shape, dtype, fn, arg):
-    """An ``out=`` array: same shape, dtype, device and library as ``like``; rows may be strided."""
+def output(info, like, shape, dtype, fn, arg, writeable=True):
+    """An ``out=`` array: same shape, dtype, device and library as ``like``; rows may be strided.
+    ``writeable=False`` checks an input that must match ``like`` (residual) the same way."""
     same_place(info, like, fn, arg)
-    if info.readonly:
+    if writeable and info.readonly:
         raise ValueError(f"{fn}: {arg} must be writeable, got a read-only array")
     if info.dtype != dtype:
         raise TypeError(f"{fn}: {arg} must have dtype {dtype}, got {info.dtype}")
@@ -117,7 +120,8 @@ def output(info, like, shape, dtype, fn, arg):
     return rows(info, fn, arg)
 
 
-def no_overlap(out, inputs, fn, arg, allow_same=None):
+def no_overlap(out, inputs, fn, arg, allow_same=None,
+               note="only out=x (in place) may share memory with an input"):
     """``out`` shares no memory with any of ``inputs`` (``allow_same`` may be exactly ``out``)."""
     lo, hi = out.ptr, out.ptr + out.extent_bytes()
     for name, info in inputs:
@@ -126,5 +130,21 @@ def no_overlap(out, inputs, fn, arg, allow_same=None):
         if allow_same is info and info.ptr == out.ptr and info.strides == out.strides:
             continue
         if info.ptr < hi and lo < info.ptr + info.extent_bytes():
-            raise ValueError(f"{fn}: {arg} overlaps {name}; only out=x (in place) may share "
-                             f"memory with an input")
+            raise ValueError(f"{fn}: {arg} overlaps {name}; {note}")
+
+
+def quant_dtype(value, fn):
+    """The name of a quantised output dtype: "int8" / "float8_e4m3fn", also given as a NumPy,
+    ml_dtypes or torch dtype of that name."""
+    if isinstance(value, str):
+        name = value
+    elif type(value).__module__.split(".")[0] == "torch":
+        name = str(value).replace("torch.", "")
+    else:
+        try:
+            name = np.dtype(value).name if value is not None else None
+        except TypeError:
+            name = None
+    if name not in _dtypes.QUANT_DTYPES:
+        raise ValueError(f"{fn}: quant_dtype must be 'int8' or 'float8_e4m3fn', got {value!r}")
+    return name

@@ -16,8 +16,15 @@ Gates (``--no-check`` turns all but the first off); each failing kernel counts o
 
 - the kernel did not compile;
 - scratch bytes, VGPR or SGPR spills (AMD) / a local depot (NVIDIA);
-- a vector-path kernel without 128-bit global loads and stores;
-- a main kernel (vector path, one row per block) over 64 VGPRs (AMD; 8 waves per SIMD need <= 64).
+- a vector-path kernel without 128-bit global loads and stores (a quantised forward without
+  residual stores 8-bit q only: 64- / 32-bit stores, so 128-bit loads are what it must have), or
+  storing bytes one by one;
+- a main kernel (vector path, one cached row per block: what LLM-sized rows run) over 64 VGPRs
+  (AMD; 8 waves per SIMD need <= 64);
+- any kernel whose VGPRs keep its block from being resident on one CU (AMD: a block of W
+  wavefronts puts ceil(W / 4) on each SIMD, which share 512 VGPRs per lane: 1024 threads need
+  <= 128).  Looped rows (N past the cached layouts, e.g. > 32768 bf16) are held to this one:
+  LLVM unrolls their re-read passes and keeps more loads in flight, at 4-7 waves per SIMD.
 
 Run as ``python -m rmsnorm_hip.aot --arch gfx942 --arch gfx950 --report out/amd-isa-{arch}.json``
 (``{arch}`` in the path gives one file per arch); ``main(argv)`` is what ``rmsnorm-hip compile``
@@ -56,17 +63,31 @@ def _describe(variant):
                              ("rows_per_block", spec, "rows"),
                              ("chunks_per_thread", layout, "chunks_per_thread"),
                              ("cached", layout, "cached"), ("vector", spec, "vector"),
-                             ("store_rstd", spec, "store_rstd")):
+                             ("store_rstd", spec, "store_rstd"), ("residual", spec, "residual"),
+                             ("quant", spec, "quant"), ("xscale", spec, "xscale")):
         if owner is not None and hasattr(owner, attr):
             record[key] = getattr(owner, attr)
-    if record.get("weight") == "":
-        record["weight"] = None
+    for key in ("weight", "quant", "xscale"):
+        if record.get(key) == "":
+            record[key] = None
+    record["full_width_store"] = getattr(variant, "full_width_store", True)
     return record
 
 
 def is_main_kernel(record):
-    """The vector path with one row per block: what LLM-sized rows run."""
-    return bool(record.get("vector")) and record.get("rows_per_block") == 1
+    """The vector path with one cached row per block: what LLM-sized rows run."""
+    return (bool(record.get("vector")) and record.get("rows_per_block") == 1
+            and record.get("cached", True))
+
+
+def block_vgpr_limit(record, wavefront=64):
+    """The most VGPRs with which one block of the record's kernel fits on a CU (4 SIMDs of 512
+    VGPRs per lane), or None when the record does not say its block size."""
+    threads, rows = record.get("threads"), record.get("rows_per_block")
+    if not threads or not rows:
+        return None
+    waves = -(-threads * rows // wavefront)
+    return 512 // -(-waves // 4)
 
 
 def _listing_value(isa, key):
@@ -109,6 +130,7 @@ def amd_records(variant, archs, intr, keep_dir=None):
             code_object_bytes=len(code_object),
             global_load_dwordx4=count("global_load_dwordx4"),
             global_store_dwordx4=count("global_store_dwordx4"),
+            global_store_byte=count("global_store_byte"),
             global_atomic_cmpswap=count("global_atomic_cmpswap\\w*"),
         )
         if keep_dir:
@@ -133,6 +155,7 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             ptx_bytes=len(ptx),
             ld_global_v4=len(re.findall(r"\bld\.global(?:\.\w+)*\.v4\.", ptx)),
             st_global_v4=len(re.findall(r"\bst\.global(?:\.\w+)*\.v4\.", ptx)),
+            st_global_byte=len(re.findall(r"\bst\.global(?:\.\w+)*\.[usb]8\b", ptx)),
             local_depot="__local_depot" in ptx,
             shared_bytes=sum(int(n) for n in re.findall(
                 r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
@@ -188,19 +211,27 @@ def problems(record, target):
             out.append(f"spills vgpr {record['vgpr_spill']} sgpr {record['sgpr_spill']}")
         if record["dynamic_stack"]:
             out.append("dynamic stack")
-        if record.get("vector") and not (record["global_load_dwordx4"]
-                                         and record["global_store_dwordx4"]):
+        if record.get("vector") and not (record["global_load_dwordx4"] and (
+                record["global_store_dwordx4"] or not record.get("full_width_store", True))):
             out.append("vector path without global_load/store_dwordx4")
+        if record.get("vector") and record.get("global_store_byte"):
+            out.append("vector path stores bytes one by one")
         if is_main_kernel(record) and record["vgpr"] > MAIN_KERNEL_MAX_VGPRS:
             out.append(f"main kernel {record['vgpr']} VGPRs > {MAIN_KERNEL_MAX_VGPRS}")
+        limit = block_vgpr_limit(record, record.get("wavefront") or 64)
+        if limit is not None and record["vgpr"] > limit:
+            out.append(f"{record['vgpr']} VGPRs > {limit}: the block does not fit on a CU")
         expected = _AMDGPU_MACH.get(record["arch"])
         if record["elf_machine"] != _EM_AMDGPU or (expected and record["elf_mach"] != expected):
             out.append(f"not a {record['arch']} code object")
     else:
         if record["local_depot"]:
             out.append("local memory depot")
-        if record.get("vector") and not (record["ld_global_v4"] and record["st_global_v4"]):
+        if record.get("vector") and not (record["ld_global_v4"] and (
+                record["st_global_v4"] or not record.get("full_width_store", True))):
             out.append("vector path without ld/st.global.v4")
+        if record.get("vector") and record.get("st_global_byte"):
+            out.append("vector path stores bytes one by one")
     return out
 
 
@@ -276,14 +307,16 @@ def _summary(records, target):
             vector_kernels=sum(1 for r in ok if r.get("vector")),
             vector_kernels_with_dwordx4=sum(1 for r in ok if r.get("vector")
                                             and r["global_load_dwordx4"]
-                                            and r["global_store_dwordx4"]),
+                                            and (r["global_store_dwordx4"]
+                                                 or not r.get("full_width_store", True))),
             max_lds_bytes=max(r["lds_bytes"] for r in ok))
     elif ok:
         summary.update(
             local_depot_kernels=sum(1 for r in ok if r["local_depot"]),
             vector_kernels=sum(1 for r in ok if r.get("vector")),
             vector_kernels_with_v4=sum(1 for r in ok if r.get("vector") and r["ld_global_v4"]
-                                       and r["st_global_v4"]))
+                                       and (r["st_global_v4"]
+                                            or not r.get("full_width_store", True))))
     return summary
 
 

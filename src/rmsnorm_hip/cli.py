@@ -76,6 +76,8 @@ def _device_arrays():
         def to_host(t, dtype):
             if dtype == _dtypes.BFLOAT16:
                 return t.view(torch.int16).cpu().numpy().view(_dtypes.NUMPY[dtype])
+            if dtype == _dtypes.FLOAT8_E4M3FN:
+                return t.view(torch.uint8).cpu().numpy().view(_dtypes.NUMPY[dtype])
             return t.cpu().numpy()
         return to_device, to_host, "torch"
     except ImportError:
@@ -123,8 +125,59 @@ def cmd_check(args):
                           f"{ulps:8.2f}  {'ok' if ok else 'FAIL'}")
         print(f"{'fwd':10s} {dtype:9s} {'all':9s} {len(CHECK_SHAPES):>5d} shapes  "
               f"{'':9s} {'':8s}  {'ok' if not failures else 'FAIL'}")
+    failures += _check_fused(rng, to_device, to_host, args.verbose)
     print("PASS" if not failures else f"FAIL: {failures} case(s)")
     return 1 if failures else 0
+
+
+def _check_fused(rng, to_device, to_host, verbose):
+    """``check`` rows of fused_add_rms_norm (residual_out bitwise the rounded sum, y within the
+    contract), fused_add_rms_norm_ (bitwise the out-of-place results) and rms_norm_quant (int8
+    and float8 with xscale and residual: levels and yscale within the contract); weight in x's
+    dtype.  Returns the number of failing cases."""
+    from . import functional, reference
+    failures = 0
+    for dtype in _dtypes.ACTIVATION_DTYPES:
+        counts = dict(fused=0, fused_=0, int8=0, float8_e4m3fn=0)
+        for m, n in CHECK_SHAPES:
+            x, r = (rng.standard_normal((m, n)).astype(_dtypes.NUMPY[dtype]) for _ in range(2))
+            w = (1 + 0.1 * rng.standard_normal(n)).astype(_dtypes.NUMPY[dtype])
+            xscale = (0.5 + rng.random(n)).astype(np.float32)
+            (xd, kw), rd, wd = to_device(x, dtype), to_device(r, dtype)[0], to_device(w, dtype)[0]
+            results = {}
+
+            y, residual_out = functional.fused_add_rms_norm(xd, rd, wd, 1e-6, dtype=kw)
+            y_ref, h_ref, _ = reference.fused_add_rms_norm_ref(x, r, w, 1e-6)
+            y_host, ro_host = to_host(y, dtype), to_host(residual_out, dtype)
+            ok, rel, ulps = _numerics.within_contract(y_host, y_ref, dtype)
+            results["fused"] = (ok and np.array_equal(ro_host.astype(np.float64), h_ref), rel, ulps)
+
+            xi, ri = to_device(x.copy(), dtype)[0], to_device(r.copy(), dtype)[0]
+            functional.fused_add_rms_norm_(xi, ri, wd, 1e-6, dtype=kw)
+            same = (np.array_equal(to_host(xi, dtype).view(np.uint8), y_host.view(np.uint8))
+                    and np.array_equal(to_host(ri, dtype).view(np.uint8),
+                                       ro_host.view(np.uint8)))
+            results["fused_"] = (same, rel, ulps)
+
+            xsd = to_device(xscale, _dtypes.FLOAT32)[0]
+            for quant in _dtypes.QUANT_DTYPES:
+                q, yscale, _ = functional.rms_norm_quant(xd, wd, 1e-6, xscale=xsd, residual=rd,
+                                                         quant_dtype=quant, dtype=kw)
+                q_ref, yscale_ref, _ = reference.rms_norm_quant_ref(
+                    x, w, 1e-6, xscale=xscale, residual=r, quant_dtype=quant)
+                results[quant] = _numerics.quant_within_contract(
+                    to_host(q, quant), to_host(yscale, _dtypes.FLOAT32), q_ref, yscale_ref, quant)
+            for op, (ok, rel, worst) in results.items():
+                counts[op] += not ok
+                if not ok or verbose:
+                    print(f"{op:10s} {dtype:9s} {dtype:9s} {f'{m}x{n}':>12s}  {rel:9.2e} "
+                          f"{worst:8.2f}  {'ok' if ok else 'FAIL'}")
+        for op, bad in counts.items():
+            label = op if op.startswith("fused") else "quant " + op.replace("float8_e4m3fn", "fp8")
+            print(f"{label:10s} {dtype:9s} {'all':9s} {len(CHECK_SHAPES):>5d} shapes  "
+                  f"{'':9s} {'':8s}  {'ok' if not bad else 'FAIL'}")
+            failures += bad
+    return failures
 
 
 def cmd_bench(args):

@@ -11,7 +11,7 @@ from os import environ as _environ
 
 from . import _arrays, _dtypes, _validate, backends
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "rms_norm_quant"]
 
 
 _fwd_runners = {}
@@ -60,10 +60,7 @@ def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
     _validate.activation_dtype(xi, fn, "x")
     _validate.reinterpreted(xi, reinterpret, fn)
     m, n, x_stride = _validate.rows(xi, fn, "x")
-    wi = None
-    if weight is not None:
-        wi = _arrays.describe(weight, "weight", reinterpret, fn)
-        _validate.vector(wi, xi, n, fn, "weight", _validate.weight_dtypes(xi.dtype))
+    wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
     eps = _validate.eps(eps, fn)
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
     backend = backends.for_array(xi, fn)
@@ -87,3 +84,122 @@ def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
             wi.dtype if wi is not None else "", return_rstd)
     y = yi.result() if out is None else out
     return (y, ri.result()) if return_rstd else y
+
+
+def _vector_arg(array, name, xi, n, reinterpret, fn):
+    """ArrayInfo of a (N,) parameter (weight, xscale) in x's dtype or float32, or None."""
+    if array is None:
+        return None
+    info = _arrays.describe(array, name, reinterpret, fn)
+    _validate.vector(info, xi, n, fn, name, _validate.weight_dtypes(xi.dtype))
+    return info
+
+
+def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0,
+                       return_rstd=False, dtype=None):
+    """Residual add fused with RMS normalisation.
+
+    ``residual_out = round(x + residual)`` (float32 add, one rounding to x's dtype);
+    ``y = rms_norm(residual_out, weight, eps, weight_offset=weight_offset)``, bitwise.  x and
+    residual are not modified.
+
+    Parameters
+    ----------
+    x, residual : arrays (..., N) of the same shape and dtype (float32, float16, bfloat16) on
+        the same device; rows may be strided, each with its own row stride.
+    weight, eps, weight_offset, dtype : as for :func:`rms_norm`.
+    return_rstd : also return the float32 (M,) rstd.
+
+    Returns
+    -------
+    (y, residual_out), or (y, residual_out, rstd) — in x's library and on x's device.
+    """
+    y, residual_out, rstd, _ = _fused_forward(
+        "fused_add_rms_norm", x, residual, weight, eps, weight_offset, dtype,
+        return_rstd=return_rstd)
+    return (y, residual_out, rstd) if return_rstd else (y, residual_out)
+
+
+def fused_add_rms_norm_(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0, dtype=None):
+    """In-place :func:`fused_add_rms_norm` (vLLM's contract): ``residual <- round(x + residual)``,
+    then ``x <- rms_norm(residual)``, in one pass with no temporaries; bitwise the out-of-place
+    results.  x and residual must be writeable and must not overlap each other or weight.
+    Returns None."""
+    _fused_forward("fused_add_rms_norm_", x, residual, weight, eps, weight_offset, dtype,
+                   in_place=True)
+
+
+def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quant_dtype="int8",
+                   weight_offset=0.0, dtype=None):
+    """RMS normalisation with dynamic per-token quantisation (SmoothQuant with ``xscale``).
+
+    ``h = round(x + residual)`` when residual is given, else x;
+    ``y = h * rstd * (weight + weight_offset) * xscale`` in float32, never rounded;
+    ``yscale[row] = max|y[row]| / QMAX`` (1.0 for an all-zero row);
+    ``q = clamp(rne(y * (1 / yscale)), -QMAX, QMAX)``, QMAX = 127 (int8) or 448 (float8_e4m3fn,
+    round-to-nearest-even, saturating).  A row holding NaN/Inf gets an unspecified q and yscale;
+    other rows are unaffected.
+
+    Parameters
+    ----------
+    x : array (..., N) of float32, float16 or bfloat16; rows may be strided.
+    weight, eps, weight_offset, dtype : as for :func:`rms_norm`.
+    xscale : (N,) SmoothQuant scale, float32 or x's dtype; None for none.
+    residual : array like x; when given, h = round(x + residual) is normalised and returned as
+        residual_out (residual itself is not modified).
+    quant_dtype : "int8" or "float8_e4m3fn" (NumPy / ml_dtypes / torch dtypes of those names
+        are accepted too).
+
+    Returns
+    -------
+    (q, yscale), or (q, yscale, residual_out) when residual is given.  q has x's shape: int8, or
+    float8_e4m3fn (``ml_dtypes.float8_e4m3fn`` for NumPy, ``torch.float8_e4m3fn`` for torch,
+    uint8 bits for CuPy); yscale is float32 (M,).
+    """
+    fn = "rms_norm_quant"
+    quant = _validate.quant_dtype(quant_dtype, fn)
+    q, residual_out, _, yscale = _fused_forward(fn, x, residual, weight, eps, weight_offset, dtype,
+                                                xscale=xscale, quant=quant)
+    return (q, yscale) if residual is None else (q, yscale, residual_out)
+
+
+def _fused_forward(fn, x, residual, weight, eps, weight_offset, dtype, *, return_rstd=False,
+                   in_place=False, xscale=None, quant=""):
+    """Validate, allocate and launch the forward's fused variants; (y or q, residual_out, rstd,
+    yscale) in the caller's library, each None where absent (in place: x and residual)."""
+    reinterpret = _validate.reinterpret(dtype, fn)
+    xi = _arrays.describe(x, "x", reinterpret, fn)
+    _validate.activation_dtype(xi, fn, "x")
+    _validate.reinterpreted(xi, reinterpret, fn)
+    m, n, x_stride = _validate.rows(xi, fn, "x")
+    ri, r_stride = None, n
+    if residual is not None:
+        ri = _arrays.describe(residual, "residual", reinterpret, fn)
+        _, _, r_stride = _validate.output(ri, xi, xi.shape, xi.dtype, fn, "residual",
+                                          writeable=in_place)
+    wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
+    si = _vector_arg(xscale, "xscale", xi, n, reinterpret, fn)
+    eps = _validate.eps(eps, fn)
+    weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
+    if in_place:
+        if xi.readonly:
+            raise ValueError(f"{fn}: x must be writeable, got a read-only array")
+        note = "the arrays written in place must not share memory with another argument"
+        _validate.no_overlap(ri, [("x", xi), ("weight", wi)], fn, "residual", note=note)
+        _validate.no_overlap(xi, [("weight", wi)], fn, "x", note=note)
+    backend = backends.for_array(xi, fn)
+
+    if in_place:
+        yi, y_stride, roi, ro_stride = xi, x_stride, ri, r_stride
+    else:
+        yi, y_stride = _arrays.empty(xi, xi.shape, quant or xi.dtype)[1], n
+        roi, ro_stride = (_arrays.empty(xi, xi.shape, xi.dtype)[1] if ri is not None else None), n
+    rstd_i = _arrays.empty(xi, (m,), _dtypes.FLOAT32)[1] if return_rstd else None
+    yscale_i = _arrays.empty(xi, (m,), _dtypes.FLOAT32)[1] if quant else None
+
+    if m > 0:
+        backend.rms_norm_fused_fwd(xi, ri, wi, si, yi, roi, rstd_i, yscale_i, m, n,
+                                   (x_stride, r_stride, y_stride, ro_stride), eps, weight_offset)
+    if in_place:
+        return None, None, None, None
+    return tuple(None if info is None else info.result() for info in (yi, roi, rstd_i, yscale_i))

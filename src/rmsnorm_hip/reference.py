@@ -7,7 +7,10 @@ rounding against them.  Per-row statistics come back flattened to ``(M,)`` like 
 New ops go here as further ``<op>_ref`` functions built from :func:`to_float64` (and from each
 other: a fused add is ``rms_norm_ref`` of the rounded sum).
 """
+import ml_dtypes
 import numpy as np
+
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 def to_float64(a):
@@ -28,3 +31,51 @@ def rms_norm_ref(x, weight=None, eps=1e-6, weight_offset=0.0):
     if weight is not None:
         y = y * (to_float64(weight) + weight_offset)
     return y, rstd.reshape(-1)
+
+
+def round_like(a64, like):
+    """float64 ``a64`` rounded once to ``like``'s dtype (NumPy, ml_dtypes or CPU torch), back as
+    float64: the value a kernel stores there."""
+    if type(like).__module__.split(".")[0] == "torch":
+        dtype = {"torch.float32": np.float32, "torch.float16": np.float16,
+                 "torch.bfloat16": ml_dtypes.bfloat16}[str(like.dtype)]
+    else:
+        dtype = np.asarray(like).dtype
+    with np.errstate(over="ignore"):
+        return np.asarray(a64).astype(dtype).astype(np.float64)
+
+
+def fused_add_rms_norm_ref(x, residual, weight=None, eps=1e-6, weight_offset=0.0):
+    """``(y, residual_out, rstd)``: ``residual_out = x + residual`` rounded once to x's dtype (it
+    is a stored input of the normalisation, so the reference rounds it like the kernel), and
+    ``(y, rstd) = rms_norm_ref(residual_out, ...)`` in float64."""
+    h = round_like(to_float64(x) + to_float64(residual), x)
+    y, rstd = rms_norm_ref(h, weight, eps, weight_offset)
+    return y, h, rstd
+
+
+def quantize_ref(levels64, quant_dtype):
+    """float64 values in units of yscale, rounded to ``quant_dtype``'s nearest level (ties to
+    even) and saturated at +-QMAX, as float64 (the grid q is compared on)."""
+    qmax = QMAX[quant_dtype]
+    clipped = np.clip(levels64, -qmax, qmax)
+    if quant_dtype == "int8":
+        return np.rint(clipped)
+    return clipped.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def rms_norm_quant_ref(x, weight=None, eps=1e-6, *, xscale=None, residual=None,
+                       quant_dtype="int8", weight_offset=0.0):
+    """``(q, yscale)`` or ``(q, yscale, residual_out)``, float64: ``h = round(x + residual)``
+    (or x), ``y = h * rstd * (weight + weight_offset) * xscale``, ``yscale = max|y| / QMAX``
+    per row (1 for an all-zero row) and ``q = y / yscale``, not rounded to a level
+    (:func:`quantize_ref` does that, ties to even)."""
+    h = x if residual is None else fused_add_rms_norm_ref(x, residual)[1]
+    y, _ = rms_norm_ref(h, weight, eps, weight_offset)
+    if xscale is not None:
+        y = y * to_float64(xscale)
+    amax = np.max(np.abs(y), axis=-1, keepdims=True)
+    yscale = np.where(amax == 0, 1.0, amax / QMAX[quant_dtype])
+    q = y / yscale
+    yscale = yscale.reshape(-1)
+    return (q, yscale) if residual is None else (q, yscale, h)

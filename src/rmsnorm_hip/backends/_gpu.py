@@ -32,14 +32,19 @@ class GpuBackend:
 
     # ---- forward -------------------------------------------------------------------------
     @staticmethod
-    def fwd_kernels(n, dtype, weight_dtype, store_rstd, x_stride, y_stride=None):
+    def fwd_kernels(n, dtype, weight_dtype, store_rstd, x_stride, y_stride=None, *,
+                    more_strides=(), fused=()):
         """(vector key or None, scalar key): the two variants a call may take; the vector one
-        when the strides allow it, chosen per call when the pointers are 16-byte aligned too."""
+        when the strides allow it, chosen per call when the pointers are 16-byte aligned too.
+        ``fused``: (residual, quant, xscale) of a fused variant (FwdSpec), with the row strides
+        of its other arrays in ``more_strides`` (in x's elements)."""
         itemsize = _dtypes.ITEMSIZE[dtype]
         y_stride = n if y_stride is None else y_stride
-        strides_ok = all((v * itemsize) % _ALIGN == 0 for v in (n, x_stride, y_stride))
-        scalar = (n, dtype, weight_dtype, False, store_rstd)
-        return ((n, dtype, weight_dtype, True, store_rstd) if strides_ok else None), scalar
+        strides_ok = all((v * itemsize) % _ALIGN == 0
+                         for v in (n, x_stride, y_stride) + tuple(more_strides))
+        scalar = (n, dtype, weight_dtype, False, store_rstd) + tuple(fused)
+        vector = (n, dtype, weight_dtype, True, store_rstd) + tuple(fused)
+        return (vector if strides_ok else None), scalar
 
     def _fwd_plan(self, key):
         """(kernel, rows per block, block) of a variant key as fwd_kernels gives them."""
@@ -89,4 +94,30 @@ class GpuBackend:
         kernel, grid, block = self._fwd_launch_shape(key, m)
         args = (self.arg(x, x.dtype), self.arg(weight, _dtypes.FLOAT32), self.arg(y, y.dtype),
                 self.arg(rstd, _dtypes.FLOAT32), m, x_stride, y_stride, eps, weight_offset)
+        self.launch(kernel, grid, block, args, self.stream_for(x))
+
+    # ---- fused residual add / quantised forward --------------------------------------------
+    def rms_norm_fused_fwd(self, x, residual, weight, xscale, y, residual_out, rstd, yscale, m, n,
+                           strides, eps, weight_offset):
+        """The forward with its fused switches: ``residual`` (with ``residual_out``, which may
+        be ``residual`` itself) and/or quantisation (``y`` int8 / float8_e4m3fn, ``yscale``,
+        optional ``xscale``).  ``strides``: row strides of (x, residual, y, residual_out), in
+        elements; a quantised y's is N, so its 8- / 4-byte chunk stores are aligned whenever
+        x's 16-byte chunks are."""
+        x_stride, r_stride, y_stride, ro_stride = strides
+        quant = y.dtype if y.dtype in _dtypes.QUANT_DTYPES else ""
+        fused = (residual is not None, quant, xscale.dtype if xscale is not None else "")
+        vector_key, scalar_key = self.fwd_kernels(
+            n, x.dtype, weight.dtype if weight is not None else "", rstd is not None, x_stride,
+            y_stride, more_strides=(r_stride, ro_stride), fused=fused)
+        pointers = 0
+        for info in (x, residual, weight, xscale, y, residual_out):
+            pointers |= info.ptr if info is not None else 0
+        key = vector_key if vector_key is not None and not pointers & _ALIGN_MASK else scalar_key
+        kernel, grid, block = self._fwd_launch_shape(key, m)
+        f32 = _dtypes.FLOAT32
+        args = (self.arg(x, x.dtype), self.arg(residual, x.dtype), self.arg(weight, f32),
+                self.arg(xscale, f32), self.arg(y, y.dtype), self.arg(residual_out, x.dtype),
+                self.arg(rstd, f32), self.arg(yscale, f32), m, x_stride, r_stride, y_stride,
+                ro_stride, eps, weight_offset)
         self.launch(kernel, grid, block, args, self.stream_for(x))

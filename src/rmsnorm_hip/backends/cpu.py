@@ -17,8 +17,8 @@ def rows_view(info, m, n, row_stride):
                                            strides=(row_stride * host.itemsize, host.itemsize))
 
 
-def _dummy(dtype):
-    return np.zeros(1, _dtypes.STORAGE[dtype])
+def _dummy(dtype, ndim=1):
+    return np.zeros((1,) * ndim, _dtypes.STORAGE[dtype])
 
 
 class CpuBackend:
@@ -42,4 +42,21 @@ class CpuBackend:
             weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
             rows_view(y, m, n, y_stride),
             rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
+            np.float32(eps), np.float32(weight_offset), rstd is not None)
+
+    def rms_norm_fused_fwd(self, x, residual, weight, xscale, y, residual_out, rstd, yscale, m, n,
+                           strides, eps, weight_offset):
+        """See GpuBackend.rms_norm_fused_fwd (same arguments)."""
+        x_stride, r_stride, y_stride, ro_stride = strides
+        quant = y.dtype if y.dtype in _dtypes.QUANT_DTYPES else ""
+        fwd = self._kernel(cpu_rmsnorm.make_cpu_fused_fwd, x.dtype,
+                           weight.dtype if weight is not None else "",
+                           m > 1 and m * n >= PARALLEL_MIN_ELEMENTS, residual is not None, quant,
+                           xscale.dtype if xscale is not None else "")
+        f32 = _dtypes.FLOAT32
+        rows = lambda info, stride: (rows_view(info, m, n, stride) if info is not None  # noqa: E731
+                                     else _dummy(x.dtype, 2))
+        vec = lambda info: info.host if info is not None else _dummy(f32)  # noqa: E731
+        fwd(rows_view(x, m, n, x_stride), rows(residual, r_stride), vec(weight), vec(xscale),
+            rows_view(y, m, n, y_stride), rows(residual_out, ro_stride), vec(rstd), vec(yscale),
             np.float32(eps), np.float32(weight_offset), rstd is not None)

@@ -15,9 +15,14 @@ Names every GPU namespace provides
 ``f16_to_f32``, ``f32_to_f16``     NaN kept NaN
 ``pack_bf16x2``, ``pack_f16x2``  two float32 -> one uint32 of two 16-bit floats (lo in bits 0-15),
                                   round-to-nearest-even (NaN stays NaN; its bits may differ by backend)
+``f32_to_i8``, ``f32_to_e4m3``     8-bit quantised levels: int8 (an int32 in [-127, 127]) and
+                                  float8 e4m3fn bits (uint32), round-to-nearest-even, saturating
+                                  (+-127 / +-448); NaN -> 0 (int8) / NaN (e4m3fn)
 ``load_b128``, ``store_b128``      16-byte global access at element ``i`` of a pointer: 4 x uint32
+``store_b64``, ``store_b32``       8- / 4-byte global store of 2 / 1 uint32 (aligned to its size)
+``max_nan``                       max of two floats where a NaN wins
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
-                                  two <= warp), every lane gets the result
+                                  two <= warp), every lane gets the result (warp_max: NaN wins)
 ``atomic_add_f32``                 float32 atomic add at ``ptr[i]``
 """
 import functools

@@ -8,11 +8,24 @@ V4I32 = ir.VectorType(I32, 4)
 GLOBAL = 1  # global address space on both NVPTX and AMDGPU
 
 
-def _global_vec_ptr(context, builder, ptrty, ptr, idxty, idx):
+def _global_vec_ptr(context, builder, ptrty, ptr, idxty, idx, vecty=V4I32):
     index = context.cast(builder, idx, idxty, types.int64)
     elem = builder.gep(ptr, [index])
     gptr = builder.addrspacecast(elem, ir.PointerType(elem.type.pointee, GLOBAL))
-    return builder.bitcast(gptr, ir.PointerType(V4I32, GLOBAL))
+    return builder.bitcast(gptr, ir.PointerType(vecty, GLOBAL))
+
+
+def _store_words(context, builder, sig, args, count):
+    """Store args[2:2 + count] (uint32 words) as one aligned access at element args[1] of
+    args[0]."""
+    vecty = ir.VectorType(I32, count)
+    vptr = _global_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1], vecty)
+    vec = ir.Constant(vecty, ir.Undefined)
+    for k in range(count):
+        word = context.cast(builder, args[2 + k], sig.args[2 + k], types.uint32)
+        vec = builder.insert_element(vec, word, ir.Constant(I32, k))
+    builder.store(vec, vptr, align=4 * count)
+    return context.get_dummy_value()
 
 
 def is_pointer_index(ptr, idx):
@@ -67,15 +80,31 @@ def define(intrinsic):
         sig = types.void(ptr, idx, w0, w1, w2, w3)
 
         def codegen(context, builder, sig, args):
-            vptr = _global_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            vec = ir.Constant(V4I32, ir.Undefined)
-            for k in range(4):
-                word = context.cast(builder, args[2 + k], sig.args[2 + k], types.uint32)
-                vec = builder.insert_element(vec, word, ir.Constant(I32, k))
-            builder.store(vec, vptr, align=16)
-            return context.get_dummy_value()
+            return _store_words(context, builder, sig, args, 4)
 
         return sig, codegen
+
+    @intrinsic
+    def store_b64(typingctx, ptr, idx, w0, w1):
+        """Store two uint32 as 8 bytes at element ``idx`` of ``ptr`` (8-byte aligned)."""
+        if not is_pointer_index(ptr, idx):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return _store_words(context, builder, sig, args, 2)
+
+        return types.void(ptr, idx, w0, w1), codegen
+
+    @intrinsic
+    def store_b32(typingctx, ptr, idx, w0):
+        """Store one uint32 as 4 bytes at element ``idx`` of ``ptr`` (4-byte aligned)."""
+        if not is_pointer_index(ptr, idx):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return _store_words(context, builder, sig, args, 1)
+
+        return types.void(ptr, idx, w0), codegen
 
     @intrinsic
     def atomic_add_f32(typingctx, ptr, idx, value):
@@ -96,7 +125,8 @@ def define(intrinsic):
         return types.void(ptr, idx, value), codegen
 
     return dict(f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,
-                store_b128=store_b128, atomic_add_f32=atomic_add_f32)
+                store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
+                atomic_add_f32=atomic_add_f32)
 
 
 def define_hw_f16(intrinsic):

@@ -1,13 +1,18 @@
 """Device helpers written once and compiled by every backend: 16-bit float codecs in integer
-arithmetic (numba-hip has no half types; integer RNE is bit-exact everywhere) and the butterfly
-reductions.  ``build`` binds them to one backend's bit casts, shuffle and ``jitable`` decorator.
+arithmetic (numba-hip has no half types; integer RNE is bit-exact everywhere), the 8-bit
+quantised encoders (int8, float8 e4m3fn) and the butterfly reductions.  ``build`` binds them to
+one backend's bit casts, shuffle and ``jitable`` decorator.
 
 Integer constants carry explicit widths: the simulator runs these as NumPy scalars, where
 ``np.uint16(x) << 16`` would stay 16-bit (NEP 50), while compiled numba widens.
 """
 from types import SimpleNamespace
 
-from numba import float32, uint16, uint32
+from numba import float32, int32, uint16, uint32
+
+# 1.5 * 2**23: adding it to a float32 of magnitude < 2**22 rounds to an integer, ties to even, and
+# leaves that integer in the low mantissa bits (float32 bits 0x4B400000 + integer)
+_RNE_MAGIC = 12582912.0
 
 
 def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
@@ -70,6 +75,45 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
         return uint32(f32_to_f16(lo)) | (uint32(f32_to_f16(hi)) << uint32(16))
 
     @jitable
+    def f32_to_i8(value):
+        """int8 level of a float32 as an int32: round to nearest even, saturating to +-127,
+        NaN -> 0."""
+        v = float32(value)
+        if v > float32(127.0):
+            v = float32(127.0)
+        elif v < float32(-127.0):
+            v = float32(-127.0)
+        elif v != v:
+            v = float32(0.0)
+        return int32(f32_as_u32(v + float32(_RNE_MAGIC))) - int32(0x4B400000)
+
+    @jitable
+    def f32_to_e4m3(value):
+        """float8 e4m3fn bits of a float32 (low 8 bits of a uint32): round to nearest even,
+        saturating to +-448 (infinities too), NaN -> NaN of the same sign."""
+        u = f32_as_u32(float32(value))
+        sign = (u >> uint32(24)) & uint32(0x80)
+        mag = u & uint32(0x7FFFFFFF)
+        if mag > uint32(0x7F800000):
+            bits = uint32(0x7F)
+        elif mag >= uint32(0x43E00000):             # >= 448, the largest finite e4m3fn
+            bits = uint32(0x7E)
+        elif mag >= uint32(0x3C800000):             # normal (>= 2**-6): keep 3 mantissa bits
+            lsb = (mag >> uint32(20)) & uint32(1)
+            bits = ((mag + uint32(0x7FFFF) + lsb) >> uint32(20)) - uint32(0x3C0)
+        else:                                       # subnormal: a multiple of 2**-9 (8 -> 2**-6)
+            scaled = u32_as_f32(mag) * float32(512.0) + float32(_RNE_MAGIC)
+            bits = f32_as_u32(scaled) - uint32(0x4B400000)
+        return sign | bits
+
+    @jitable
+    def max_nan(a, b):
+        """max(a, b) where a NaN wins, so a NaN row cannot hide behind a finite max."""
+        if b > a or b != b:
+            return b
+        return a
+
+    @jitable
     def warp_sum(value, width):
         offset = width >> 1
         while offset > 0:
@@ -81,13 +125,12 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
     def warp_max(value, width):
         offset = width >> 1
         while offset > 0:
-            other = shfl_xor(value, offset)
-            # NaN wins, so a NaN row cannot hide behind a finite max
-            if other > value or other != other:
-                value = other
+            value = max_nan(value, shfl_xor(value, offset))
             offset >>= 1
         return value
 
     return SimpleNamespace(bf16_to_f32=bf16_to_f32, f32_to_bf16=f32_to_bf16,
                            f16_to_f32=f16_to_f32, f32_to_f16=f32_to_f16,
-                           pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2, warp_sum=warp_sum, warp_max=warp_max)
+                           pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2, f32_to_i8=f32_to_i8,
+                           f32_to_e4m3=f32_to_e4m3, max_nan=max_nan, warp_sum=warp_sum,
+                           warp_max=warp_max)

@@ -38,11 +38,11 @@ def u32_as_f32(value):
     return np.uint32(value).view(np.float32)
 
 
-def _check_aligned(ptr, idx):
+def _check_aligned(ptr, idx, nbytes=16):
     # the kernel's flat arrays start at 16-byte aligned pointers whenever the vector path runs,
-    # so a 128-bit access must sit at a multiple of 16 bytes from their start
-    if (int(idx) * ptr.dtype.itemsize) % 16:
-        raise AssertionError(f"misaligned 128-bit access at element {idx} of a "
+    # so an access of nbytes must sit at a multiple of nbytes from their start
+    if (int(idx) * ptr.dtype.itemsize) % nbytes:
+        raise AssertionError(f"misaligned {8 * nbytes}-bit access at element {idx} of a "
                              f"{ptr.dtype} array")
 
 
@@ -54,11 +54,23 @@ def load_b128(ptr, idx):
     return words[0], words[1], words[2], words[3]
 
 
-def store_b128(ptr, idx, w0, w1, w2, w3):
-    _check_aligned(ptr, idx)
-    elems = np.array([w0, w1, w2, w3], dtype=np.uint32).view(ptr.dtype)
+def _store_words(ptr, idx, words):
+    _check_aligned(ptr, idx, 4 * len(words))
+    elems = np.array(words, dtype=np.uint32).view(ptr.dtype)
     for k in range(elems.size):
         ptr[idx + k] = elems[k]
+
+
+def store_b128(ptr, idx, w0, w1, w2, w3):
+    _store_words(ptr, idx, [w0, w1, w2, w3])
+
+
+def store_b64(ptr, idx, w0, w1):
+    _store_words(ptr, idx, [w0, w1])
+
+
+def store_b32(ptr, idx, w0):
+    _store_words(ptr, idx, [w0])
 
 
 def atomic_add_f32(ptr, idx, value):
@@ -99,4 +111,5 @@ def build(warp):
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
     return SimpleNamespace(name="sim", warp=warp, gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,
-                           store_b128=store_b128, atomic_add_f32=atomic_add_f32, **vars(shared))
+                           store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
+                           atomic_add_f32=atomic_add_f32, **vars(shared))

@@ -66,17 +66,27 @@ def rows_per_block(layout):
 
 @dataclass(frozen=True)
 class FwdSpec:
-    """Compile-time constants of one forward kernel."""
+    """Compile-time constants of one forward kernel.  ``residual``, ``quant`` and ``xscale``
+    switch the same row body to the fused residual add and to dynamic quantisation."""
     layout: RowLayout
     rows: int               # rows per block
     dtype: str              # x / y
     weight: str             # weight dtype, or "" for no weight
     vector: bool            # 128-bit accesses (row starts, strides and weight 16-byte aligned)
     store_rstd: bool
+    residual: bool = False  # h = round(x + residual) is normalised and stored to residual_out
+    quant: str = ""         # "int8" | "float8_e4m3fn": y quantised per row (q, yscale); "" not
+    xscale: str = ""        # SmoothQuant scale dtype (float32 or x's), "" for none
+
+    @property
+    def fused(self):
+        """Built with the fused signature (residual / quant / xscale) rather than rms_norm's."""
+        return self.residual or bool(self.quant) or bool(self.xscale)
 
 
-def fwd_spec(n, dtype, weight, vector, store_rstd):
+def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale=""):
     """The forward kernel a call runs (the dispatcher's only decision for the forward)."""
     layout = row_layout(n, dtype)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
-                   vector=vector, store_rstd=store_rstd)
+                   vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
+                   xscale=xscale)

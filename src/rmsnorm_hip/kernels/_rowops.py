@@ -1,12 +1,13 @@
 """Row pieces shared by every forward variant: 16-byte chunk load/store in a dtype, the chunk's
-sum of squares, and the per-row sum across the threads of a row.
+sum of squares, the per-row sum and max across the threads of a row, and the store of a chunk
+quantised to 8 bits.
 
 A chunk is ``layout.chunk`` consecutive elements (16 bytes of x).  The vector form reads it with
 128-bit accesses; the scalar form reads element by element (any alignment, a ragged last chunk is
 zero-filled).  Both fill the same float32 slots, so every float32 operation after the load is the
 same and a row gives bitwise the same result whichever form ran.
 """
-from numba import float32, uint16, uint32
+from numba import float32, int8, uint8, uint16, uint32
 
 from .. import _dtypes
 from ._config import CHUNK_BYTES, ceil_div
@@ -22,7 +23,12 @@ class ChunkIO:
 
 def codec(intr, dtype):
     """(decode, encode, pack two) between float32 and an element of ``dtype`` as stored
-    (pack two: None for float32, whose elements are whole words)."""
+    (pack two: None for float32, whose elements are whole words).  The 8-bit quantised dtypes
+    are encode-only: (None, float32 -> level, None), the level an integer (see intrinsics)."""
+    if dtype == _dtypes.INT8:
+        return None, intr.f32_to_i8, None
+    if dtype == _dtypes.FLOAT8_E4M3FN:
+        return None, intr.f32_to_e4m3, None
     if dtype == _dtypes.BFLOAT16:
         return intr.bf16_to_f32, intr.f32_to_bf16, intr.pack_bf16x2
     if dtype == _dtypes.FLOAT16:
@@ -121,22 +127,76 @@ def make_row_sum(intr, threads):
     """Sum a float32 over the ``threads`` threads of a row (threadIdx.x), every thread gets it.
     Lanes of a warp combine by xor-butterfly, warps of a row through ``red[buf, row_in_block, :]``
     (``buf`` alternates between consecutive reductions of a block, so one barrier each suffices)."""
+    @intr.jitable
+    def add(a, b):
+        return a + b
+
+    return _make_row_reduce(intr, threads, intr.warp_sum, add)
+
+
+def make_row_max(intr, threads):
+    """Max of a float32 over the ``threads`` threads of a row, NaN winning; as
+    :func:`make_row_sum`."""
+    return _make_row_reduce(intr, threads, intr.warp_max, intr.max_nan)
+
+
+def _make_row_reduce(intr, threads, warp_reduce, combine):
+    """(row_reduce(value, red, buf, ty, tx), warps per row): ``warp_reduce`` over the lanes of
+    each warp, then ``combine`` over the row's warps in warp order through shared memory."""
     warp = intr.warp
     lanes = min(threads, warp)
     warps_per_row = ceil_div(threads, warp)
-    warp_sum = intr.warp_sum
     gpu = intr.gpu
 
     @intr.jitable
-    def row_sum(value, red, buf, ty, tx):
-        value = warp_sum(value, lanes)
+    def row_reduce(value, red, buf, ty, tx):
+        value = warp_reduce(value, lanes)
         if warps_per_row > 1:
             if tx % warp == 0:
                 red[buf, ty, tx // warp] = value
             gpu.syncthreads()
             value = red[buf, ty, 0]
             for i in range(1, warps_per_row):
-                value += red[buf, ty, i]
+                value = combine(value, red[buf, ty, i])
         return value
 
-    return row_sum, warps_per_row
+    return row_reduce, warps_per_row
+
+
+def make_quant_store(intr, dtype, chunk, n, vector):
+    """``store(ptr, start, col0, vals, slot, inv)``: ``vals[slot : slot + chunk] * inv`` quantised
+    to ``dtype`` (int8 or float8_e4m3fn, one byte each) at ``ptr[start + col0 ...]``.  The vector
+    form packs a chunk into one 8-byte (chunk 8) or 4-byte (chunk 4) store; the scalar form stores
+    byte by byte, skipping columns past ``n``."""
+    jitable = intr.jitable
+    encode = codec(intr, dtype)[1]
+    signed = dtype == _dtypes.INT8
+    store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
+
+    @jitable
+    def byte(vals, at, inv):
+        return uint32(encode(vals[at] * inv) & 0xFF)
+
+    @jitable
+    def word(vals, at, inv):
+        return (byte(vals, at, inv) | (byte(vals, at + 1, inv) << uint32(8))
+                | (byte(vals, at + 2, inv) << uint32(16)) | (byte(vals, at + 3, inv) << uint32(24)))
+
+    if vector:
+        @jitable
+        def store(ptr, start, col0, vals, slot, inv):
+            if chunk == 8:
+                store_b64(ptr, start + col0, word(vals, slot, inv), word(vals, slot + 4, inv))
+            else:
+                store_b32(ptr, start + col0, word(vals, slot, inv))
+    else:
+        @jitable
+        def store(ptr, start, col0, vals, slot, inv):
+            for e in range(chunk):
+                if col0 + e < n:
+                    if signed:
+                        ptr[start + col0 + e] = int8(encode(vals[slot + e] * inv))
+                    else:
+                        ptr[start + col0 + e] = uint8(encode(vals[slot + e] * inv))
+
+    return store

@@ -24,8 +24,18 @@ class Variant:
         layout = s.layout
         path = ("looped" if not layout.cached else "multirow" if s.rows > 1 else "row")
         access = "vec" if s.vector else "scalar"
-        return (f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}"
-                f":rstd={int(s.store_rstd)}")
+        label = (f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}"
+                 f":rstd={int(s.store_rstd)}")
+        if getattr(s, "fused", False):
+            label += (f":res={int(s.residual)}" + (f":q={s.quant}" if s.quant else "")
+                      + (f":xs={s.xscale}" if s.xscale else ""))
+        return label
+
+    @property
+    def full_width_store(self):
+        """Whether the kernel stores rows of x's width (128-bit stores on the vector path); a
+        quantised forward without residual stores 8-bit q only (64- / 32-bit stores)."""
+        return not getattr(self.spec, "quant", "") or self.spec.residual
 
 
 def fwd_variants(ns=FWD_REPRESENTATIVE_N):
@@ -42,5 +52,36 @@ def fwd_variants(ns=FWD_REPRESENTATIVE_N):
                                       rmsnorm_fwd.argtypes(spec))
 
 
+# the fused forward switches (residual add, quantisation, SmoothQuant scale) per path: multi-row
+# ragged (scalar only), multi-row with two warps per row, cached single-row, looped
+FUSED_REPRESENTATIVE_N = (127, 1024, 4096, 65536)
+
+
+def fused_variants(ns=FUSED_REPRESENTATIVE_N):
+    """Per dtype, path and access form: one fused add and two of the four quantised kinds (int8 /
+    fp8 x with / without residual), alternating between the vector and scalar forms of a path,
+    with weight, rstd and xscale dtypes rotating over them: every switch appears on every path
+    and dtype without their full product (each variant costs ~1 s of CPU per compiler)."""
+    wide = _dtypes.FLOAT32
+    for dtype in _dtypes.ACTIVATION_DTYPES:
+        for n in ns:
+            layout = _config.row_layout(n, dtype)
+            for vector in ([True, False] if n % layout.chunk == 0 else [False]):
+                def spec(weight, store_rstd, residual, quant="", xscale=""):
+                    return _config.fwd_spec(n, dtype, weight, vector, store_rstd, residual,
+                                            quant, xscale)
+                if vector or n % layout.chunk:      # the vector form, or a ragged N's only form
+                    specs = [("fused_add", spec(dtype, True, True)),
+                             ("quant", spec(dtype, False, False, _dtypes.INT8, wide)),
+                             ("quant", spec(wide, False, True, _dtypes.FLOAT8_E4M3FN, dtype))]
+                else:
+                    specs = [("fused_add", spec("", False, True)),
+                             ("quant", spec("", False, True, _dtypes.INT8)),
+                             ("quant", spec(dtype, False, False, _dtypes.FLOAT8_E4M3FN, wide))]
+                for op, s in specs:
+                    yield Variant(op, rmsnorm_fwd.make_rmsnorm_fwd, s, rmsnorm_fwd.argtypes(s))
+
+
 def variants():
     yield from fwd_variants()
+    yield from fused_variants()

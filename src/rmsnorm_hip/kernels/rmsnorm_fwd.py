@@ -1,14 +1,24 @@
-"""RMSNorm forward kernel.
+"""RMSNorm forward kernel, with the fused residual add and dynamic quantisation as compile-time
+switches of the same row body (``FwdSpec.residual`` / ``quant`` / ``xscale``).
 
-    rstd = 1 / sqrt(mean(x**2) + eps)            per row, float32
-    y    = (x * rstd) * (weight + weight_offset)   one rounding to y's dtype
+    h     = round(x + residual)  if residual, else x   (float32 add, one rounding to x's dtype)
+    rstd  = 1 / sqrt(mean(h**2) + eps)                 per row, float32
+    y     = (h * rstd) * (weight + weight_offset)      one rounding to y's dtype
+quantised (y never rounded before it):
+    y     = (h * rstd) * (weight + weight_offset) * xscale
+    yscale = max|y| / QMAX (1 for an all-zero row);   q = clamp(rne(y * (1 / yscale)))
 
 Blocks of ``threads x rows`` threads (blockDim = (threads, rows)); thread ``t`` of a row owns
 chunks ``t, t + threads, ...``.  Pass 1 loads them, sums their squares and reduces across the
-row; pass 2 scales and stores them.  Cached layouts keep the row in registers between the passes
-(looped ones re-read x).  Each block owns ``rows`` rows; a row's arithmetic does not depend on
-the grid.  Rows past M take part in the reductions and store nothing; absent arrays (no weight,
-no rstd) are null pointers that are never touched.
+row; the last pass scales and stores them.  A quantised row has a pass in between that takes the
+row's max|y| (a second reduction), so q is written only once the whole row is known.  Cached
+layouts keep the row (h) in registers between the passes and store residual_out once all their
+loads are issued; looped ones re-read x (and residual) in every pass and store residual_out in
+the last.  No pass reads what the kernel wrote, and each thread reads a chunk before it writes
+that chunk and nothing else, so ``y`` may be ``x`` and ``residual_out`` ``residual`` (the
+in-place entry point).  Each block owns ``rows`` rows; a row's arithmetic does not depend on the
+grid.  Rows past M take part in the reductions and store nothing; absent arrays are null
+pointers that are never touched.
 """
 import math
 
@@ -16,15 +26,24 @@ from numba import float32, int64, types
 
 from .. import _dtypes
 from ._config import FwdSpec
-from ._rowops import ChunkIO, make_chunk_sumsq, make_row_sum
+from ._rowops import ChunkIO, codec, make_chunk_sumsq, make_quant_store, make_row_max, make_row_sum
 
 
 def argtypes(spec: FwdSpec):
-    """(x, weight, y, rstd, m, x_row_stride, y_row_stride, eps, weight_offset)"""
+    """rms_norm's (x, weight, y, rstd, m, x_row_stride, y_row_stride, eps, weight_offset), or for
+    a fused spec (x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_row_stride,
+    residual_row_stride, y_row_stride, residual_out_row_stride, eps, weight_offset); y is q
+    (int8 / uint8 bits) when quantised."""
     data = types.CPointer(_numba_storage(spec.dtype))
     weight = types.CPointer(_numba_storage(spec.weight or _dtypes.FLOAT32))
-    return (data, weight, data, types.CPointer(types.float32), types.int64, types.int64,
-            types.int64, types.float32, types.float32)
+    f32 = types.CPointer(types.float32)
+    if not spec.fused:
+        return (data, weight, data, f32, types.int64, types.int64, types.int64, types.float32,
+                types.float32)
+    xscale = types.CPointer(_numba_storage(spec.xscale or _dtypes.FLOAT32))
+    out = types.CPointer(_numba_storage(spec.quant)) if spec.quant else data
+    return ((data, data, weight, xscale, out, data, f32, f32)
+            + (types.int64,) * 5 + (types.float32, types.float32))
 
 
 def _numba_storage(dtype):
@@ -38,27 +57,65 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     per_thread, cached, rows = layout.chunks_per_thread, layout.cached, spec.rows
     cache_len = per_thread * chunk if cached else chunk
     has_weight, store_rstd = bool(spec.weight), spec.store_rstd
+    has_residual, quant, has_xscale = spec.residual, spec.quant, bool(spec.xscale)
     gpu, jitable = intr.gpu, intr.jitable
     x_io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
+    s_io = ChunkIO(intr, spec.xscale or _dtypes.FLOAT32, chunk, n, spec.vector)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     row_sum, warps_per_row = make_row_sum(intr, threads)
-    load_x, store_y, load_w = x_io.load, x_io.store, w_io.load
+    row_max = make_row_max(intr, threads)[0]
+    store_q = make_quant_store(intr, quant, chunk, n, spec.vector) if quant else None
+    load_x, store_y, load_w, load_s = x_io.load, x_io.store, w_io.load, s_io.load
+    max_nan = intr.max_nan
+    decode, encode, _ = codec(intr, spec.dtype)
+    round_x = spec.dtype != _dtypes.FLOAT32     # float32 h needs no second rounding
     n_f32 = float32(n)
+    qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
+    n_red = 2 if quant else 1                   # sum, then max: one shared buffer each
 
     @jitable
-    def load_row(x, x_start, live, tx, vals):
-        """This thread's chunks of a row into vals (zeros where the row or chunk does not exist)."""
+    def add_residual(vals, slot, rvals, rslot):
+        """vals[slot:] <- round(vals[slot:] + rvals[rslot:]) for one chunk (h in float32)."""
+        for e in range(chunk):
+            h = vals[slot + e] + rvals[rslot + e]
+            if round_x:
+                h = decode(encode(h))
+            vals[slot + e] = h
+
+    @jitable
+    def load_h(x, residual, x_start, r_start, col0, vals, slot, rvals):
+        """A chunk of h into vals[slot:]: x's, or round(x + residual)."""
+        load_x(x, x_start, col0, vals, slot)
+        if has_residual:
+            load_x(residual, r_start, col0, rvals, 0)
+            add_residual(vals, slot, rvals, 0)
+
+    @jitable
+    def load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals):
+        """Cached layouts: this thread's chunks of h into vals (zeros where the row or chunk does
+        not exist), h stored to residual_out.  Every load is issued before the first store, which
+        the compiler may not move loads across (the arrays may alias)."""
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if live and col0 < n:
                 load_x(x, x_start, col0, vals, k * chunk)
+                if has_residual:
+                    load_x(residual, r_start, col0, rvals, k * chunk)
             else:
                 for e in range(chunk):
                     vals[k * chunk + e] = float32(0.0)
+                    if has_residual:
+                        rvals[k * chunk + e] = float32(0.0)
+        if has_residual:
+            for k in range(per_thread):
+                col0 = (tx + k * threads) * chunk
+                add_residual(vals, k * chunk, rvals, k * chunk)
+                if live and col0 < n:
+                    store_y(residual_out, ro_start, col0, vals, k * chunk)
 
     @jitable
-    def sumsq_row(x, x_start, live, tx, vals):
+    def sumsq_row(x, residual, x_start, r_start, live, tx, vals, rvals):
         """This thread's share of the row's sum of squares (loading chunks when not cached)."""
         acc = float32(0.0)
         for k in range(per_thread):
@@ -66,7 +123,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             if not cached:
                 col0 = (tx + k * threads) * chunk
                 if live and col0 < n:
-                    load_x(x, x_start, col0, vals, 0)
+                    load_h(x, residual, x_start, r_start, col0, vals, 0, rvals)
                 else:
                     for e in range(chunk):
                         vals[e] = float32(0.0)
@@ -74,42 +131,127 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         return acc
 
     @jitable
-    def finish_row(x, weight, y, rstd, row, x_start, y_stride, tx, r, weight_offset, vals, wvals):
-        """Pass 2 of a live row: scale this thread's chunks and store them."""
-        if store_rstd and tx == 0:
-            rstd[row] = r
-        y_start = row * y_stride
+    def scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals):
+        """vals[slot:] <- h * r * (weight + weight_offset) [* xscale] for one chunk."""
+        if has_weight:
+            load_w(weight, 0, col0, wvals, 0)
+        if has_xscale:
+            load_s(xscale, 0, col0, svals, 0)
+        for e in range(chunk):
+            v = vals[slot + e] * r
+            if has_weight:
+                v = v * (wvals[e] + weight_offset)
+            if has_xscale:
+                v = v * svals[e]
+            vals[slot + e] = v
+
+    @jitable
+    def reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals, slot, rvals,
+                 store):
+        """Looped layouts: re-read a chunk of h (from x and residual, never from what this kernel
+        wrote) and, in the pass that stores the row, store it to residual_out."""
+        load_h(x, residual, x_start, r_start, col0, vals, slot, rvals)
+        if has_residual and store:
+            store_y(residual_out, ro_start, col0, vals, slot)
+
+    @jitable
+    def finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
+                   ro_start, tx, r, weight_offset, vals, rvals, wvals, svals):
+        """Last pass of a live row: scale this thread's chunks and store them."""
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if col0 < n:
                 slot = k * chunk if cached else 0
                 if not cached:
-                    load_x(x, x_start, col0, vals, slot)
-                if has_weight:
-                    load_w(weight, 0, col0, wvals, 0)
-                for e in range(chunk):
-                    v = vals[slot + e] * r
-                    if has_weight:
-                        v = v * (wvals[e] + weight_offset)
-                    vals[slot + e] = v
+                    reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals,
+                             slot, rvals, True)
+                scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals)
                 store_y(y, y_start, col0, vals, slot)
 
-    def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
+    @jitable
+    def amax_row(x, residual, weight, xscale, x_start, r_start, tx, r, weight_offset, vals,
+                 rvals, wvals, svals):
+        """A quantised row's middle pass: y of this thread's chunks (kept in vals when cached)
+        and their max|y| (ragged columns hold 0)."""
+        amax = float32(0.0)
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if col0 < n:
+                slot = k * chunk if cached else 0
+                if not cached:
+                    load_h(x, residual, x_start, r_start, col0, vals, slot, rvals)
+                scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals)
+                for e in range(chunk):
+                    amax = max_nan(amax, abs(vals[slot + e]))
+        return amax
+
+    @jitable
+    def quantise_row(x, residual, weight, xscale, q, residual_out, x_start, r_start, q_start,
+                     ro_start, tx, r, weight_offset, inv, vals, rvals, wvals, svals):
+        """A quantised row's last pass: q = y * inv in 8-bit levels (looped layouts recompute y
+        with amax_row's operations, so the same bits)."""
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if col0 < n:
+                slot = k * chunk if cached else 0
+                if not cached:
+                    reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals,
+                             slot, rvals, True)
+                    scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals)
+                store_q(q, q_start, col0, vals, slot, inv)
+
+    @jitable
+    def forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
+                r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals, svals):
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
-        red = gpu.shared.array((1, rows, warps_per_row), float32)
-        vals = gpu.local.array(cache_len, float32)
-        wvals = gpu.local.array(chunk, float32)
         row = int64(gpu.blockIdx.x) * rows + ty
         live = row < m
         x_start = row * x_stride
+        r_start = row * r_stride
+        ro_start = row * ro_stride
+        y_start = row * y_stride
         if cached:
-            load_row(x, x_start, live, tx, vals)
-        acc = sumsq_row(x, x_start, live, tx, vals)
+            load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals)
+        acc = sumsq_row(x, residual, x_start, r_start, live, tx, vals, rvals)
         total = row_sum(acc, red, 0, ty, tx)
         r = float32(1.0) / math.sqrt(total / n_f32 + eps)
-        if live:
-            finish_row(x, weight, y, rstd, row, x_start, y_stride, tx, r, weight_offset, vals,
-                       wvals)
+        if store_rstd and live and tx == 0:
+            rstd[row] = r
+        if quant:
+            amax = float32(0.0)
+            if live:
+                amax = amax_row(x, residual, weight, xscale, x_start, r_start, tx, r,
+                                weight_offset, vals, rvals, wvals, svals)
+            amax = row_max(amax, red, 1, ty, tx)
+            scale = float32(1.0) if amax == float32(0.0) else amax / qmax
+            if live:
+                if tx == 0:
+                    yscale[row] = scale
+                quantise_row(x, residual, weight, xscale, y, residual_out, x_start, r_start,
+                             y_start, ro_start, tx, r, weight_offset, float32(1.0) / scale, vals,
+                             rvals, wvals, svals)
+        elif live:
+            finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
+                       ro_start, tx, r, weight_offset, vals, rvals, wvals, svals)
 
-    return rmsnorm_fwd
+    def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
+        red = gpu.shared.array((n_red, rows, warps_per_row), float32)
+        vals = gpu.local.array(cache_len, float32)
+        rvals = gpu.local.array(cache_len, float32)
+        wvals = gpu.local.array(chunk, float32)
+        svals = gpu.local.array(chunk, float32)
+        forward(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride, y_stride,
+                eps, weight_offset, red, vals, rvals, wvals, svals)
+
+    def rmsnorm_fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
+                          r_stride, y_stride, ro_stride, eps, weight_offset):
+        red = gpu.shared.array((n_red, rows, warps_per_row), float32)
+        vals = gpu.local.array(cache_len, float32)
+        rvals = gpu.local.array(cache_len, float32)
+        wvals = gpu.local.array(chunk, float32)
+        svals = gpu.local.array(chunk, float32)
+        forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride, r_stride,
+                y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals, svals)
+
+    return rmsnorm_fused_fwd if spec.fused else rmsnorm_fwd
