@@ -124,3 +124,28 @@ def test_gpu_backend_concurrent_first_calls_build_once(fresh, use_backend, monke
     assert list(fwd_keys(fresh).values()) == [1], fwd_keys(fresh)
     assert len(launched) == 8, launched
     assert len({id(kernel) for kernel, _, _ in launched}) == 1, "threads got different kernels"
+
+
+@pytest.mark.sim
+def test_sim_fused_switches_are_in_the_key(fresh, use_backend, rng):
+    """Each fused switch (residual, quant dtype, xscale dtype) is its own kernel, built once
+    whatever M: a kernel is never served to a call with another switch."""
+    from rmsnorm_hip import fused_add_rms_norm, rms_norm_quant
+    use_backend("sim")
+    w = aligned_copy(random_array(rng, 24, "float32"))
+    xs = aligned_copy(random_array(rng, 24, "float32"))
+    for m in (3, 1):
+        x = aligned_copy(random_array(rng, (m, 24), "float32"))
+        r = aligned_copy(random_array(rng, (m, 24), "float32"))
+        fused_add_rms_norm(x, r, w)
+        rms_norm_quant(x, w)
+        rms_norm_quant(x, w, quant_dtype="float8_e4m3fn")
+        rms_norm_quant(x, w, xscale=xs)
+        rms_norm_quant(x, w, residual=r)
+
+    builds = fwd_keys(fresh)
+    assert sorted(builds.values()) == [1] * 5, builds
+    specs = {key[-1] for key in builds}
+    assert {(s.residual, s.quant, s.xscale) for s in specs} == {
+        (True, "", ""), (False, "int8", ""), (False, "float8_e4m3fn", ""),
+        (False, "int8", "float32"), (True, "int8", "")}

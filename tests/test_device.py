@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import DTYPES, assert_close
+from conftest import DTYPES, assert_close, assert_quant_close
 
 pytestmark = pytest.mark.device
 
@@ -148,3 +148,87 @@ def test_backend_variable_is_honoured_on_repeat_calls(monkeypatch):
     monkeypatch.setenv("RMSNORM_HIP_BACKEND", "hip")
     with pytest.raises(ValueError, match="RMSNORM_HIP_BACKEND=hip cannot run cuda"):
         rmsnorm_hip.rms_norm(x)
+
+
+# ---- fused residual add and quantised forward -------------------------------------------------
+def raw(t):
+    """The bytes of a tensor (any dtype, float8 included) for bitwise comparisons."""
+    return t.contiguous().view(torch.uint8)
+
+
+def misaligned_copy(x):
+    """x's values in rows that start one element past a 16-byte boundary (the scalar path)."""
+    m, n = x.shape
+    out = torch.empty(m, n + 1, device=x.device, dtype=x.dtype)[:, 1:]
+    out.copy_(x)
+    return out
+
+
+def host_q(q):
+    if q.dtype == torch.float8_e4m3fn:
+        return q.view(torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn)
+    return q.cpu().numpy()
+
+
+@pytest.mark.parametrize("m,n", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_contract_in_place_and_invariance(m, n, dtype):
+    _, x, w = inputs(m, n, dtype, dtype)
+    r = torch.randn(m, n + 8, device="cuda", dtype=TORCH[dtype])[:, 8:]
+    y, ro, rstd = rmsnorm_hip.fused_add_rms_norm(x, r, w, 1e-6, return_rstd=True)
+    y_ref, h_ref, rstd_ref = reference.fused_add_rms_norm_ref(host(x), host(r), host(w), 1e-6)
+    assert np.array_equal(host(ro).astype(np.float64), h_ref), "residual_out: one rounding"
+    assert_close(host(y), y_ref, dtype)
+    assert_close(rstd.cpu().numpy(), rstd_ref, "float32")
+    assert torch.equal(raw(y), raw(rmsnorm_hip.rms_norm(ro, w, 1e-6))), "y == rms_norm(ro)"
+    # in place == out of place; a misaligned view (scalar path) and rows alone give the same bits
+    xi, ri = x.clone(), r.clone()
+    assert rmsnorm_hip.fused_add_rms_norm_(xi, ri, w, 1e-6) is None
+    assert torch.equal(raw(xi), raw(y)) and torch.equal(raw(ri), raw(ro))
+    xu = misaligned_copy(x)
+    yu, rou = rmsnorm_hip.fused_add_rms_norm(xu, r, w, 1e-6)
+    assert torch.equal(raw(yu), raw(y)) and torch.equal(raw(rou), raw(ro))
+    rows = sorted({0, m // 2, m - 1})
+    alone = [rmsnorm_hip.fused_add_rms_norm(x[i:i + 1], r[i:i + 1], w, 1e-6) for i in rows]
+    assert torch.equal(raw(torch.cat([a[0] for a in alone])), raw(y[rows]))
+    assert torch.equal(raw(torch.cat([a[1] for a in alone])), raw(ro[rows]))
+
+
+@pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("m,n", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quant_contract_and_invariance(m, n, dtype, quant):
+    _, x, w = inputs(m, n, dtype, dtype)
+    r = torch.randn(m, n, device="cuda", dtype=TORCH[dtype])
+    xs = 0.5 + torch.rand(n, device="cuda")
+    q, yscale, ro = rmsnorm_hip.rms_norm_quant(x, w, 1e-6, xscale=xs, residual=r,
+                                               quant_dtype=quant)
+    assert q.dtype == getattr(torch, quant) and q.shape == x.shape
+    assert yscale.dtype == torch.float32 and yscale.shape == (m,)
+    ref = reference.rms_norm_quant_ref(host(x), host(w), 1e-6, xscale=xs.cpu().numpy(),
+                                       residual=host(r), quant_dtype=quant)
+    assert_quant_close(host_q(q), yscale.cpu().numpy(), ref[0], ref[1], quant)
+    assert np.array_equal(host(ro).astype(np.float64), ref[2])
+    # the residual variant quantises residual_out: bitwise the call on residual_out
+    q2, yscale2 = rmsnorm_hip.rms_norm_quant(ro, w, 1e-6, xscale=xs, quant_dtype=quant)
+    assert torch.equal(raw(q), raw(q2)) and torch.equal(yscale, yscale2)
+    xu = misaligned_copy(x)
+    qu, yscale_u, _ = rmsnorm_hip.rms_norm_quant(xu, w, 1e-6, xscale=xs, residual=r,
+                                                 quant_dtype=quant)
+    assert torch.equal(raw(qu), raw(q)) and torch.equal(yscale_u, yscale)
+    rows = sorted({0, m // 2, m - 1})
+    alone = [rmsnorm_hip.rms_norm_quant(x[i:i + 1], w, 1e-6, xscale=xs, residual=r[i:i + 1],
+                                        quant_dtype=quant) for i in rows]
+    assert torch.equal(raw(torch.cat([a[0] for a in alone])), raw(q[rows]))
+    assert torch.equal(torch.cat([a[1] for a in alone]), yscale[rows])
+
+
+def test_quant_cupy_float8_is_uint8_bits():
+    cupy = pytest.importorskip("cupy")
+    xh = np.random.default_rng(0).standard_normal((5, 4096)).astype(ml_dtypes.bfloat16)
+    q, yscale = rmsnorm_hip.rms_norm_quant(cupy.asarray(xh.view(np.uint16)), None,
+                                           quant_dtype="float8_e4m3fn", dtype="bfloat16")
+    assert isinstance(q, cupy.ndarray) and q.dtype == np.uint8
+    ref = reference.rms_norm_quant_ref(xh, quant_dtype="float8_e4m3fn")
+    assert_quant_close(q.get().view(ml_dtypes.float8_e4m3fn), yscale.get(), ref[0], ref[1],
+                       "float8_e4m3fn")

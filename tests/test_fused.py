@@ -252,12 +252,22 @@ def test_batch_invariance(rng, use_backend, backend_name, dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_in_place_on_backends(rng, backend, dtype):
-    """The in-place entry point on the simulator too (one kernel for y and residual_out)."""
-    x, residual, w = make_pair(rng, (5, 40), dtype, dtype, row_scales=False)
-    y, ro = fused_add_rms_norm(x, residual, w)
+    """The in-place entry point on the simulator too (one kernel for y and residual_out), rows
+    in guarded buffers: contiguous x, row-strided residual."""
+    m, n = 5, 40
+    x0, r0, w = make_pair(rng, (m, n), dtype, dtype, row_scales=False)
+    x_buf, x, x_guard = guarded(rng, m, n, dtype, None, lead=8)
+    r_buf, residual, r_guard = guarded(rng, m, n, dtype, 8, lead=8)
+    x[...], residual[...] = x0, r0
+    x_buf0, r_buf0 = x_buf.copy(), r_buf.copy()
+    y, ro = fused_add_rms_norm(x0, r0, w)
+
     fused_add_rms_norm_(x, residual, w)
+
     assert_bitwise(x, y, "in-place x vs y")
     assert_bitwise(residual, ro, "in-place residual vs residual_out")
+    assert_bitwise(x_buf[x_guard], x_buf0[x_guard], "guard elements around x")
+    assert_bitwise(r_buf[r_guard], r_buf0[r_guard], "guard elements around residual")
     assert_close(y, rms_norm_ref(ro, w)[0], dtype)
 
 
