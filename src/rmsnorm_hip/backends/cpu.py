@@ -53,10 +53,13 @@ class CpuBackend:
                            weight.dtype if weight is not None else "",
                            m > 1 and m * n >= PARALLEL_MIN_ELEMENTS, residual is not None, quant,
                            xscale.dtype if xscale is not None else "")
-        f32 = _dtypes.FLOAT32
-        rows = lambda info, stride: (rows_view(info, m, n, stride) if info is not None  # noqa: E731
-                                     else _dummy(x.dtype, 2))
-        vec = lambda info: info.host if info is not None else _dummy(f32)  # noqa: E731
-        fwd(rows_view(x, m, n, x_stride), rows(residual, r_stride), vec(weight), vec(xscale),
-            rows_view(y, m, n, y_stride), rows(residual_out, ro_stride), vec(rstd), vec(yscale),
+
+        def rows(info, stride):
+            return rows_view(info, m, n, stride) if info is not None else _dummy(x.dtype, 2)
+
+        def vec(info):
+            return info.host if info is not None else _dummy(_dtypes.FLOAT32)
+
+        fwd(rows(x, x_stride), rows(residual, r_stride), vec(weight), vec(xscale),
+            rows(y, y_stride), rows(residual_out, ro_stride), vec(rstd), vec(yscale),
             np.float32(eps), np.float32(weight_offset), rstd is not None)

@@ -78,16 +78,17 @@ def make_cpu_rmsnorm_fwd(intr, dtype, weight_dtype, parallel):
     def rmsnorm_fwd(x, weight, y, rstd, eps, weight_offset, store_rstd):
         m, n = x.shape
         for i in prange(m):
-            r = float32(1.0) / np.sqrt(row_sumsq(x[i], n) / float32(n) + eps)
+            row = x[i]
+            r = float32(1.0) / np.sqrt(row_sumsq(row, n) / float32(n) + eps)
             if store_rstd:
                 rstd[i] = r
             for j in range(n):
-                y[i, j] = encode(scale(x[i], j, r, weight, weight, weight_offset))
+                y[i, j] = encode(scale(row, j, r, weight, weight, weight_offset))
 
     return rmsnorm_fwd
 
 
-def make_cpu_fused_fwd(intr, dtype, weight_dtype, parallel, residual, quant, xscale_dtype):
+def make_cpu_fused_fwd(intr, dtype, weight_dtype, parallel, has_residual, quant, xscale_dtype):
     """fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, eps, weight_offset,
     store_rstd): the forward's fused switches (see kernels/rmsnorm_fwd.py) on (M, N) storage
     views, rows may be strided.  A row is one pass writing h = round(x + residual) to
@@ -100,7 +101,6 @@ def make_cpu_fused_fwd(intr, dtype, weight_dtype, parallel, residual, quant, xsc
     row_sumsq = make_row_sumsq(intr, dtype)
     scale = make_scale(intr, dtype, weight_dtype, xscale_dtype)
     max_nan = intr.max_nan
-    has_residual = residual
 
     @numba.njit(parallel=parallel, nogil=True)
     def fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, eps, weight_offset,
