@@ -28,3 +28,26 @@ def within_contract(out, ref, dtype):
         return rel < 1e-5, rel, err_ulp
     ok = rel < 8e-3 and bool(np.all(np.abs(out - ref) <= 2 * ulp(ref, dtype) + 1e-6))
     return ok, rel, err_ulp
+
+
+def dx_within_contract(dx, ref, s, dtype):
+    """API.md's dx rule: errors measured against s = |dy (weight + offset) rstd| per element."""
+    dx = np.asarray(dx, dtype=np.float64)
+    err = np.abs(dx - ref)
+    norm_s = np.linalg.norm(s)
+    rel = float(np.linalg.norm(err) / norm_s) if norm_s > 0 else 0.0
+    worst = float(np.max(err / (ulp(ref, dtype) + 1e-5 * s + 1e-30), initial=0.0))
+    if not np.all(np.isfinite(dx)):
+        return False, rel, float("inf")
+    if dtype == _dtypes.FLOAT32:
+        return rel < 1e-5, rel, worst
+    return bool(np.all(err <= 2 * ulp(ref, dtype) + 1e-5 * s)), rel, worst
+
+
+def dweight_within_contract(dw, ref, dtype):
+    dw = np.asarray(dw, dtype=np.float64)
+    if not np.all(np.isfinite(dw)):
+        return False
+    if dtype == _dtypes.FLOAT32:
+        return bool(np.linalg.norm(dw - ref) < 1e-4 * np.linalg.norm(ref))
+    return bool(np.all(np.abs(dw - ref) <= 2 * ulp(ref, dtype) + 1e-5 * np.abs(ref).max()))

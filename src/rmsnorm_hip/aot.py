@@ -65,8 +65,10 @@ def _describe(variant):
 
 
 def is_main_kernel(record):
-    """The vector path with one row per block: what LLM-sized rows run."""
-    return bool(record.get("vector")) and record.get("rows_per_block") == 1
+    """The forward's vector path with one row per block: what LLM-sized rows run (the 64-VGPR
+    gate; the backward keeps x, dy, weight and its dweight share live and is reported as is)."""
+    return (record.get("op") == "fwd" and bool(record.get("vector"))
+            and record.get("rows_per_block") == 1)
 
 
 def _listing_value(isa, key):
@@ -199,6 +201,8 @@ def problems(record, target):
     else:
         if record["local_depot"]:
             out.append("local memory depot")
+        if record.get("spill_store_bytes") or record.get("spill_load_bytes"):
+            out.append(f"spills {record['spill_store_bytes']} B stored")
         if record.get("vector") and not (record["ld_global_v4"] and record["st_global_v4"]):
             out.append("vector path without ld/st.global.v4")
     return out

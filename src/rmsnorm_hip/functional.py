@@ -11,7 +11,7 @@ from os import environ as _environ
 
 from . import _arrays, _dtypes, _validate, backends
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "rms_norm_backward"]
 
 
 _fwd_runners = {}
@@ -87,3 +87,63 @@ def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
             wi.dtype if wi is not None else "", return_rstd)
     y = yi.result() if out is None else out
     return (y, ri.result()) if return_rstd else y
+
+
+def rms_norm_backward(dy, x, weight=None, rstd=None, *, weight_offset=0.0, dresidual=None,
+                      deterministic=True, eps=1e-6, dtype=None):
+    """Gradients of :func:`rms_norm`: ``(dx, dweight)``.
+
+    ``x_hat = x * rstd``, ``wdy = dy * (weight + weight_offset)``,
+    ``dx = (wdy - x_hat * mean(x_hat * wdy)) * rstd [+ dresidual]`` (one rounding to x's dtype),
+    ``dweight = sum over rows of dy * x_hat`` (float32 accumulation, weight's dtype).
+
+    Parameters
+    ----------
+    dy, x : arrays (..., N) of one dtype (float32, float16, bfloat16); rows may be strided.
+    weight : (N,) in x's dtype or float32; None: no scaling and no dweight.
+    rstd : float32 (M,) from the forward; None recomputes it from x with ``eps``.
+    dresidual : like x; the gradient reaching a fused add's ``residual_out``, added into dx.
+    deterministic : dweight is bitwise identical from run to run on the same device.  Every path
+        is deterministic (per-program float32 partials and a fixed-order column reduction); no
+        atomic path exists, so False changes nothing.
+    dtype : "bfloat16" / "float16" to read uint16 storage (CuPy).
+
+    Returns
+    -------
+    (dx, dweight) — dx shaped like x in x's library; dweight (N,) or None.
+    """
+    fn = "rms_norm_backward"
+    reinterpret = _validate.reinterpret(dtype, fn)
+    xi = _arrays.describe(x, "x", reinterpret, fn)
+    _validate.activation_dtype(xi, fn, "x")
+    _validate.reinterpreted(xi, reinterpret, fn)
+    m, n, x_stride = _validate.rows(xi, fn, "x")
+    dyi = _arrays.describe(dy, "dy", reinterpret, fn)
+    dy_stride = _validate.like_x(dyi, xi, fn, "dy")
+    wi = None
+    if weight is not None:
+        wi = _arrays.describe(weight, "weight", reinterpret, fn)
+        _validate.vector(wi, xi, n, fn, "weight", _validate.weight_dtypes(xi.dtype))
+    ri = None
+    if rstd is not None:
+        ri = _arrays.describe(rstd, "rstd", None, fn)
+        _validate.vector(ri, xi, m, fn, "rstd", (_dtypes.FLOAT32,))
+    dri, dres_stride = None, n
+    if dresidual is not None:
+        dri = _arrays.describe(dresidual, "dresidual", reinterpret, fn)
+        dres_stride = _validate.like_x(dri, xi, fn, "dresidual")
+    weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
+    eps = _validate.eps(eps, fn)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{fn}: deterministic must be a bool, got {type(deterministic).__name__}")
+    backend = backends.for_array(xi, fn)
+
+    _, dxi = _arrays.empty(xi, xi.shape, xi.dtype)
+    dwi = None
+    if wi is not None:
+        dwi = (_arrays.zeros if m == 0 else _arrays.empty)(xi, (n,), wi.dtype)[1]
+    if m > 0:
+        backend.rms_norm_bwd(
+            dyi, xi, wi, ri, dri, dxi, dwi, m, n, (dy_stride, x_stride, dres_stride, n), eps,
+            weight_offset, lambda shape: _arrays.empty(xi, shape, _dtypes.FLOAT32)[1])
+    return dxi.result(), (dwi.result() if dwi is not None else None)
