@@ -44,20 +44,25 @@ class RowLayout:
         return ceil_div(self.n, self.chunk)
 
 
-def row_layout(n, dtype):
-    """The per-row reduction shape: a function of ``n`` and ``dtype`` only (batch invariance)."""
-    itemsize = _dtypes.ITEMSIZE[dtype]
-    chunk = CHUNK_BYTES // itemsize
+def _layout(n, dtype, chunks_per_thread, max_cached_floats):
+    """Threads per row for about ``chunks_per_thread`` chunks each (a power of two up to a warp,
+    else a whole number of 64-lane wavefronts, at most MAX_THREADS)."""
+    chunk = CHUNK_BYTES // _dtypes.ITEMSIZE[dtype]
     n_chunks = ceil_div(n, chunk)
     if n_chunks <= 32:
         # a power of two so the butterfly stays inside aligned lane groups on 32- and 64-lane warps
         threads = next_pow2(n_chunks)
     else:
         # a multiple of 64 is a whole number of warps on NVIDIA and of wavefronts on AMD
-        threads = min(MAX_THREADS, 64 * ceil_div(ceil_div(n_chunks, CHUNKS_PER_THREAD[itemsize]), 64))
+        threads = min(MAX_THREADS, 64 * ceil_div(ceil_div(n_chunks, chunks_per_thread), 64))
     per_thread = ceil_div(n_chunks, threads)
     return RowLayout(n=n, chunk=chunk, threads=threads, chunks_per_thread=per_thread,
-                     cached=per_thread * chunk <= MAX_CACHED_FLOATS)
+                     cached=per_thread * chunk <= max_cached_floats)
+
+
+def row_layout(n, dtype):
+    """The per-row reduction shape: a function of ``n`` and ``dtype`` only (batch invariance)."""
+    return _layout(n, dtype, CHUNKS_PER_THREAD[_dtypes.ITEMSIZE[dtype]], MAX_CACHED_FLOATS)
 
 
 def rows_per_block(layout):
@@ -95,16 +100,7 @@ BWD_REDUCE_GROUPS = 8
 
 def bwd_row_layout(n, dtype):
     """The backward's per-row layout (a function of N and dtype only: dx is batch invariant)."""
-    itemsize = _dtypes.ITEMSIZE[dtype]
-    chunk = CHUNK_BYTES // itemsize
-    n_chunks = ceil_div(n, chunk)
-    if n_chunks <= 32:
-        threads = next_pow2(n_chunks)
-    else:
-        threads = min(MAX_THREADS, 64 * ceil_div(n_chunks, 64))
-    per_thread = ceil_div(n_chunks, threads)
-    return RowLayout(n=n, chunk=chunk, threads=threads, chunks_per_thread=per_thread,
-                     cached=per_thread * chunk <= BWD_MAX_CACHED_FLOATS)
+    return _layout(n, dtype, 1, BWD_MAX_CACHED_FLOATS)
 
 
 @dataclass(frozen=True)
