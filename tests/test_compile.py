@@ -126,3 +126,19 @@ def test_catalog_covers_every_forward_path():
 
 if __name__ == "__main__":
     compile_variants(*sys.argv[1:3])
+
+
+def test_catalog_backward_compiles_to_sm90(tmp_path):
+    """Every backward variant of kernels/catalog.py through `rmsnorm-hip compile --target cuda`
+    (its gates: compiles, 128-bit accesses on the vector path, no local memory, no spills)."""
+    pytest.importorskip("numba.cuda")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(SRC))
+    report = tmp_path / "sm90.json"
+    done = subprocess.run([sys.executable, "-m", "rmsnorm_hip", "compile", "--target", "cuda",
+                           "--arch", "sm_90", "--only", "bwd", "--report", str(report)],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    if "libnvvm" in done.stderr and done.returncode:
+        pytest.skip("numba-cuda's NVVM is not installed")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kernels = json.loads(report.read_text())["reports"][0]["kernels"]
+    assert len(kernels) >= 100 and all(k["op"].startswith("bwd") for k in kernels)

@@ -1,6 +1,8 @@
 """rmsnorm_hip: RMSNorm kernels written in Python with Numba, for AMD gfx942/gfx950 (numba-hip),
 NVIDIA (numba-cuda) and the CPU, from one kernel source.  See API.md for the contract."""
-from .functional import fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
+from .functional import (fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_backward,
+                         rms_norm_quant)
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "rms_norm_quant"]
+__all__ = ["rms_norm", "rms_norm_backward", "fused_add_rms_norm", "fused_add_rms_norm_",
+           "rms_norm_quant"]
 __version__ = "0.1.0"

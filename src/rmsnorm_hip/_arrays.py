@@ -261,6 +261,19 @@ def empty(like, shape, dtype):
     return out, info
 
 
+def zeros(like, shape, dtype):
+    """:func:`empty`, filled with zeros by the array's own library."""
+    out, info = empty(like, shape, dtype)
+    if hasattr(out, "fill"):
+        out.fill(0)                      # NumPy, CuPy
+    elif hasattr(out, "zero_"):
+        out.zero_()                      # torch
+    else:                                # numba device arrays
+        from numba import cuda
+        out.copy_to_device(np.zeros(shape, _dtypes.STORAGE[dtype]))
+    return out, info
+
+
 def _back_to_library(like, cupy_out):
     """A DLPack-speaking library's own array over ``cupy_out`` (e.g. JAX), else the CuPy array."""
     root = type(like).__module__.split(".")[0]

@@ -57,3 +57,25 @@ def quant_within_contract(q, yscale, q_ref, yscale_ref, quant_dtype, tie=1e-5):
     ok_levels = int(diff.max(initial=0)) <= 1 and 1000 * (diff.size - unequal) > 999 * diff.size
     ok_scale, rel, _ = within_contract(yscale, yscale_ref, _dtypes.FLOAT32)
     return ok_levels and ok_scale, rel, float(diff.max(initial=0))
+
+def dx_within_contract(dx, ref, s, dtype):
+    """API.md's dx rule: errors measured against s = |dy (weight + offset) rstd| per element."""
+    dx = np.asarray(dx, dtype=np.float64)
+    err = np.abs(dx - ref)
+    norm_s = np.linalg.norm(s)
+    rel = float(np.linalg.norm(err) / norm_s) if norm_s > 0 else 0.0
+    worst = float(np.max(err / (ulp(ref, dtype) + 1e-5 * s + 1e-30), initial=0.0))
+    if not np.all(np.isfinite(dx)):
+        return False, rel, float("inf")
+    if dtype == _dtypes.FLOAT32:
+        return rel < 1e-5, rel, worst
+    return bool(np.all(err <= 2 * ulp(ref, dtype) + 1e-5 * s)), rel, worst
+
+
+def dweight_within_contract(dw, ref, dtype):
+    dw = np.asarray(dw, dtype=np.float64)
+    if not np.all(np.isfinite(dw)):
+        return False
+    if dtype == _dtypes.FLOAT32:
+        return bool(np.linalg.norm(dw - ref) < 1e-4 * np.linalg.norm(ref))
+    return bool(np.all(np.abs(dw - ref) <= 2 * ulp(ref, dtype) + 1e-5 * np.abs(ref).max()))

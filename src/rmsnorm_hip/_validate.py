@@ -70,6 +70,18 @@ def vector(info, like, n, fn, arg, dtypes):
         raise ValueError(f"{fn}: {arg} must be contiguous, got stride {info.strides[-1]}")
 
 
+def like_x(info, x, fn, arg):
+    """An array (dy, residual, dresidual) with x's shape, dtype, device and library; its row
+    stride (rows may be strided like x's)."""
+    same_place(info, x, fn, arg)
+    if info.dtype != x.dtype:
+        raise TypeError(f"{fn}: {arg} must have x's dtype {x.dtype}, got {info.dtype}")
+    if tuple(info.shape) != tuple(x.shape):
+        raise ValueError(f"{fn}: {arg} must have x's shape {tuple(x.shape)}, "
+                         f"got {tuple(info.shape)}")
+    return rows(info, fn, arg)[2]
+
+
 def weight_dtypes(x_dtype):
     return (x_dtype,) if x_dtype == _dtypes.FLOAT32 else (x_dtype, _dtypes.FLOAT32)
 

@@ -46,6 +46,7 @@ import time
 import traceback
 
 MAIN_KERNEL_MAX_VGPRS = 64
+FORWARD_OPS = ("fwd", "fused_add", "quant")
 AMD_ARCHS = ("gfx942", "gfx950")
 CUDA_ARCHS = ("sm_90",)
 _EM_AMDGPU = 224
@@ -75,9 +76,11 @@ def _describe(variant):
 
 
 def is_main_kernel(record):
-    """The vector path with one cached row per block: what LLM-sized rows run."""
-    return (bool(record.get("vector")) and record.get("rows_per_block") == 1
-            and record.get("cached", True))
+    """A forward (plain, fused add or quantised) on the vector path with one cached row per
+    block: what LLM-sized rows run (the 64-VGPR gate; the backward keeps x, dy, weight and its
+    dweight share live and is reported as is)."""
+    return (record.get("op") in FORWARD_OPS and bool(record.get("vector"))
+            and record.get("rows_per_block") == 1 and record.get("cached", True))
 
 
 def block_vgpr_limit(record, wavefront=64):
@@ -227,6 +230,8 @@ def problems(record, target):
     else:
         if record["local_depot"]:
             out.append("local memory depot")
+        if record.get("spill_store_bytes") or record.get("spill_load_bytes"):
+            out.append(f"spills {record['spill_store_bytes']} B stored")
         if record.get("vector") and not (record["ld_global_v4"] and (
                 record["st_global_v4"] or not record.get("full_width_store", True))):
             out.append("vector path without ld/st.global.v4")

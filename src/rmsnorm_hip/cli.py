@@ -92,8 +92,50 @@ def _device_arrays():
         return to_device, to_host, "cupy"
 
 
-def cmd_check(args):
+def _check_fwd(case):
+    """rms_norm: y and rstd within the contract."""
     from . import functional, reference
+    y, rstd = functional.rms_norm(case.xd, case.wd, 1e-6, return_rstd=True, dtype=case.kw)
+    y_ref, rstd_ref = reference.rms_norm_ref(case.x, case.w, 1e-6)
+    ok, rel, ulps = _numerics.within_contract(case.to_host(y, case.dtype), y_ref, case.dtype)
+    ok_r = _numerics.within_contract(case.to_host(rstd, "float32"), rstd_ref, "float32")[0]
+    return ok and ok_r, rel, ulps
+
+
+def _check_bwd(case):
+    """rms_norm_backward with rstd recomputed: dx (against s = |dy w rstd|) and dweight."""
+    from . import functional, reference
+    dx, dw = functional.rms_norm_backward(case.dyd, case.xd, case.wd, None, dtype=case.kw)
+    dx_ref, dw_ref = reference.rms_norm_backward_ref(case.dy, case.x, case.w, None)
+    rstd = reference.rms_norm_ref(case.x, None, 1e-6)[1][:, None]
+    scale = 1.0 if case.w is None else case.w.astype(np.float64)
+    s = np.abs(case.dy.astype(np.float64) * scale * rstd)
+    ok, rel, ulps = _numerics.dx_within_contract(case.to_host(dx, case.dtype), dx_ref, s,
+                                                 case.dtype)
+    if case.w is not None:
+        ok = ok and _numerics.dweight_within_contract(case.to_host(dw, case.wdtype), dw_ref,
+                                                      case.wdtype)
+    return ok, rel, ulps
+
+
+CHECKS = {"fwd": _check_fwd, "bwd": _check_bwd}
+
+
+class _Case:
+    """One (dtype, weight dtype, shape) input set, on the host and on the checked device."""
+
+    def __init__(self, rng, m, n, dtype, wdtype, to_device, to_host):
+        self.dtype, self.wdtype, self.to_host = dtype, wdtype, to_host
+        self.x = rng.standard_normal((m, n)).astype(_dtypes.NUMPY[dtype])
+        self.dy = rng.standard_normal((m, n)).astype(_dtypes.NUMPY[dtype])
+        self.w = None if wdtype is None else (1 + 0.1 * rng.standard_normal(n)).astype(
+            _dtypes.NUMPY[wdtype])
+        self.xd, self.kw = to_device(self.x, dtype)
+        self.dyd = to_device(self.dy, dtype)[0]
+        self.wd = None if self.w is None else to_device(self.w, wdtype)[0]
+
+
+def cmd_check(args):
     name, device = detect()
     rng = np.random.default_rng(args.seed)
     if name in ("cuda", "hip"):
@@ -105,26 +147,20 @@ def cmd_check(args):
     print(f"rmsnorm-hip check on {name} ({device}), arrays: {lib}")
     print(f"{'op':10s} {'dtype':9s} {'weight':9s} {'shape':>12s}  {'rel err':>9s} {'max ulp':>8s}  result")
     failures = 0
-    for dtype in _dtypes.ACTIVATION_DTYPES:
-        for m, n in CHECK_SHAPES:
-            for wdtype in ([None, dtype] + ([_dtypes.FLOAT32] if dtype != _dtypes.FLOAT32 else [])):
-                x = rng.standard_normal((m, n)).astype(_dtypes.NUMPY[dtype])
-                w = None if wdtype is None else (1 + 0.1 * rng.standard_normal(n)).astype(
-                    _dtypes.NUMPY[wdtype])
-                xd, kw = to_device(x, dtype)
-                wd = None if w is None else to_device(w, wdtype)[0]
-                y, rstd = functional.rms_norm(xd, wd, 1e-6, return_rstd=True, dtype=kw)
-                y_ref, rstd_ref = reference.rms_norm_ref(x, w, 1e-6)
-                ok, rel, ulps = _numerics.within_contract(to_host(y, dtype), y_ref, dtype)
-                ok_r, rel_r, _ = _numerics.within_contract(to_host(rstd, "float32"), rstd_ref,
-                                                          _dtypes.FLOAT32)
-                ok = ok and ok_r
-                failures += not ok
-                if not ok or args.verbose:
-                    print(f"{'fwd':10s} {dtype:9s} {str(wdtype):9s} {f'{m}x{n}':>12s}  {rel:9.2e} "
-                          f"{ulps:8.2f}  {'ok' if ok else 'FAIL'}")
-        print(f"{'fwd':10s} {dtype:9s} {'all':9s} {len(CHECK_SHAPES):>5d} shapes  "
-              f"{'':9s} {'':8s}  {'ok' if not failures else 'FAIL'}")
+    for op, check in CHECKS.items():
+        for dtype in _dtypes.ACTIVATION_DTYPES:
+            op_failures = 0
+            for m, n in CHECK_SHAPES:
+                for wdtype in [None, dtype] + ([_dtypes.FLOAT32] if dtype != _dtypes.FLOAT32 else []):
+                    case = _Case(rng, m, n, dtype, wdtype, to_device, to_host)
+                    ok, rel, ulps = check(case)
+                    op_failures += not ok
+                    if not ok or args.verbose:
+                        print(f"{op:10s} {dtype:9s} {str(wdtype):9s} {f'{m}x{n}':>12s}  {rel:9.2e} "
+                              f"{ulps:8.2f}  {'ok' if ok else 'FAIL'}")
+            failures += op_failures
+            print(f"{op:10s} {dtype:9s} {'all':9s} {len(CHECK_SHAPES):>5d} shapes  "
+                  f"{'':9s} {'':8s}  {'ok' if not op_failures else 'FAIL'}")
     failures += _check_fused(rng, to_device, to_host, args.verbose)
     print("PASS" if not failures else f"FAIL: {failures} case(s)")
     return 1 if failures else 0

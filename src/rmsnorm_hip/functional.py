@@ -11,7 +11,8 @@ from os import environ as _environ
 
 from . import _arrays, _dtypes, _validate, backends
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_", "rms_norm_quant"]
+__all__ = ["rms_norm", "rms_norm_backward", "fused_add_rms_norm", "fused_add_rms_norm_",
+           "rms_norm_quant"]
 
 
 _fwd_runners = {}
@@ -55,11 +56,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
 
 def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
     fn = "rms_norm"
-    reinterpret = _validate.reinterpret(dtype, fn)
-    xi = _arrays.describe(x, "x", reinterpret, fn)
-    _validate.activation_dtype(xi, fn, "x")
-    _validate.reinterpreted(xi, reinterpret, fn)
-    m, n, x_stride = _validate.rows(xi, fn, "x")
+    reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
     wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
     eps = _validate.eps(eps, fn)
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
@@ -84,6 +81,17 @@ def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
             wi.dtype if wi is not None else "", return_rstd)
     y = yi.result() if out is None else out
     return (y, ri.result()) if return_rstd else y
+
+
+def _rows_of_x(x, dtype, fn):
+    """The validation every entry point starts with: (reinterpret, x ArrayInfo, M, N, x row
+    stride)."""
+    reinterpret = _validate.reinterpret(dtype, fn)
+    xi = _arrays.describe(x, "x", reinterpret, fn)
+    _validate.activation_dtype(xi, fn, "x")
+    _validate.reinterpreted(xi, reinterpret, fn)
+    m, n, x_stride = _validate.rows(xi, fn, "x")
+    return reinterpret, xi, m, n, x_stride
 
 
 def _vector_arg(array, name, xi, n, reinterpret, fn):
@@ -167,11 +175,7 @@ def _fused_forward(fn, x, residual, weight, eps, weight_offset, dtype, *, return
                    in_place=False, xscale=None, quant=""):
     """Validate, allocate and launch the forward's fused variants; (y or q, residual_out, rstd,
     yscale) in the caller's library, each None where absent (in place: x and residual)."""
-    reinterpret = _validate.reinterpret(dtype, fn)
-    xi = _arrays.describe(x, "x", reinterpret, fn)
-    _validate.activation_dtype(xi, fn, "x")
-    _validate.reinterpreted(xi, reinterpret, fn)
-    m, n, x_stride = _validate.rows(xi, fn, "x")
+    reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
     ri, r_stride = None, n
     if residual is not None:
         ri = _arrays.describe(residual, "residual", reinterpret, fn)
@@ -203,3 +207,56 @@ def _fused_forward(fn, x, residual, weight, eps, weight_offset, dtype, *, return
     if in_place:
         return None, None, None, None
     return tuple(None if info is None else info.result() for info in (yi, roi, rstd_i, yscale_i))
+
+
+def rms_norm_backward(dy, x, weight=None, rstd=None, *, weight_offset=0.0, dresidual=None,
+                      deterministic=True, eps=1e-6, dtype=None):
+    """Gradients of :func:`rms_norm`: ``(dx, dweight)``.
+
+    ``x_hat = x * rstd``, ``wdy = dy * (weight + weight_offset)``,
+    ``dx = (wdy - x_hat * mean(x_hat * wdy)) * rstd [+ dresidual]`` (one rounding to x's dtype),
+    ``dweight = sum over rows of dy * x_hat`` (float32 accumulation, weight's dtype).
+
+    Parameters
+    ----------
+    dy, x : arrays (..., N) of one dtype (float32, float16, bfloat16); rows may be strided.
+    weight : (N,) in x's dtype or float32; None: no scaling and no dweight.
+    rstd : float32 (M,) from the forward; None recomputes it from x with ``eps``.
+    dresidual : like x; the gradient reaching a fused add's ``residual_out``, added into dx.
+    deterministic : dweight is bitwise identical from run to run on the same device.  Every path
+        is deterministic (per-program float32 partials and a fixed-order column reduction); no
+        atomic path exists, so False changes nothing.
+    dtype : "bfloat16" / "float16" to read uint16 storage (CuPy).
+
+    Returns
+    -------
+    (dx, dweight) — dx shaped like x in x's library; dweight (N,) or None.
+    """
+    fn = "rms_norm_backward"
+    reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
+    dyi = _arrays.describe(dy, "dy", reinterpret, fn)
+    dy_stride = _validate.like_x(dyi, xi, fn, "dy")
+    wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
+    ri = None
+    if rstd is not None:
+        ri = _arrays.describe(rstd, "rstd", None, fn)
+        _validate.vector(ri, xi, m, fn, "rstd", (_dtypes.FLOAT32,))
+    dri, dres_stride = None, n
+    if dresidual is not None:
+        dri = _arrays.describe(dresidual, "dresidual", reinterpret, fn)
+        dres_stride = _validate.like_x(dri, xi, fn, "dresidual")
+    weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
+    eps = _validate.eps(eps, fn)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{fn}: deterministic must be a bool, got {type(deterministic).__name__}")
+    backend = backends.for_array(xi, fn)
+
+    _, dxi = _arrays.empty(xi, xi.shape, xi.dtype)
+    dwi = None
+    if wi is not None:
+        dwi = (_arrays.zeros if m == 0 else _arrays.empty)(xi, (n,), wi.dtype)[1]
+    if m > 0:
+        backend.rms_norm_bwd(
+            dyi, xi, wi, ri, dri, dxi, dwi, m, n, (dy_stride, x_stride, dres_stride, n), eps,
+            weight_offset, lambda shape: _arrays.empty(xi, shape, _dtypes.FLOAT32)[1])
+    return dxi.result(), (dwi.result() if dwi is not None else None)

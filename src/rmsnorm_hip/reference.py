@@ -79,3 +79,25 @@ def rms_norm_quant_ref(x, weight=None, eps=1e-6, *, xscale=None, residual=None,
     q = y / yscale
     yscale = yscale.reshape(-1)
     return (q, yscale) if residual is None else (q, yscale, h)
+
+def rms_norm_backward_ref(dy, x, weight=None, rstd=None, eps=1e-6, weight_offset=0.0,
+                          dresidual=None):
+    """``(dx, dweight)`` in float64 (dweight ``None`` without weight), plus nothing rounded:
+    ``wdy = dy * (weight + weight_offset)``, ``x_hat = x * rstd``,
+    ``dx = (wdy - x_hat * mean(x_hat * wdy)) * rstd + dresidual``, ``dweight = sum(dy * x_hat)``.
+    ``rstd=None`` recomputes it from x with eps, as the forward does."""
+    x64, dy64 = to_float64(x), to_float64(dy)
+    n = x64.shape[-1]
+    x2, dy2 = x64.reshape(-1, n), dy64.reshape(-1, n)
+    if rstd is None:
+        rstd2 = rms_norm_ref(x2, None, eps)[1][:, None]
+    else:
+        rstd2 = to_float64(rstd).reshape(-1, 1)
+    scale = 1.0 if weight is None else to_float64(weight) + weight_offset
+    wdy = dy2 * scale
+    x_hat = x2 * rstd2
+    dx = (wdy - x_hat * np.mean(x_hat * wdy, axis=-1, keepdims=True)) * rstd2
+    if dresidual is not None:
+        dx = dx + to_float64(dresidual).reshape(-1, n)
+    dweight = None if weight is None else np.sum(dy2 * x_hat, axis=0)
+    return dx.reshape(x64.shape), dweight

@@ -2,7 +2,7 @@
 its launch.  Subclasses provide ``compile(pyfunc, argtypes, name)``, ``launch(kernel, grid, block,
 args, stream)``, ``arg(info, dtype)``, ``stream_for(info)`` and ``cache_key``."""
 from .. import _arrays, _cache, _dtypes
-from ..kernels import _config, rmsnorm_fwd
+from ..kernels import _config, rmsnorm_bwd, rmsnorm_fwd
 
 _ALIGN = _config.CHUNK_BYTES
 _ALIGN_MASK = _ALIGN - 1
@@ -29,6 +29,10 @@ class GpuBackend:
 
     def stream_for(self, info):
         return _arrays.current_stream(info)
+
+    def resident_per_sm(self, kernel, block_threads):
+        """Blocks of ``kernel`` one SM/CU holds at once; backends that can ask the driver do."""
+        return max(1, 2048 // block_threads)
 
     # ---- forward -------------------------------------------------------------------------
     @staticmethod
@@ -121,3 +125,36 @@ class GpuBackend:
                 self.arg(rstd, f32), self.arg(yscale, f32), m, x_stride, r_stride, y_stride,
                 ro_stride, eps, weight_offset)
         self.launch(kernel, grid, block, args, self.stream_for(x))
+
+    # ---- backward ------------------------------------------------------------------------
+    def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
+                     weight_offset, workspace):
+        """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo,
+        allocated per call on the caller's device (and stream, through its library)."""
+        itemsize = _dtypes.ITEMSIZE[x.dtype]
+        rows_ = [a for a in (dy, x, dres, dx) if a is not None]
+        vector = ((n * itemsize) % _ALIGN == 0
+                  and all((st * itemsize) % _ALIGN == 0 for st in strides)
+                  and not (weight is not None and weight.ptr & _ALIGN_MASK)
+                  and not any(a.ptr & _ALIGN_MASK for a in rows_))
+        wdtype = weight.dtype if weight is not None else ""
+        spec = _config.bwd_spec(n, x.dtype, wdtype, vector, rstd is None, dres is not None)
+        kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, spec, rmsnorm_bwd.argtypes(spec))
+        threads = spec.layout.threads * spec.rows
+        programs = _config.bwd_programs(spec, m, self.sm_count,
+                                        self.resident_per_sm(kernel, threads))
+        ws = workspace((programs * spec.rows, n)) if weight is not None else None
+        stream = self.stream_for(x)
+        f32 = _dtypes.FLOAT32
+        self.launch(kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1),
+                    (self.arg(dy, x.dtype), self.arg(x, x.dtype), self.arg(weight, f32),
+                     self.arg(rstd, f32), self.arg(dres, x.dtype), self.arg(dx, x.dtype),
+                     self.arg(ws, f32), m, strides[0], strides[1], strides[2], strides[3], eps,
+                     weight_offset), stream)
+        if weight is not None:
+            reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, wdtype,
+                                 rmsnorm_bwd.reduce_argtypes(wdtype))
+            columns, groups = _config.BWD_REDUCE_COLUMNS, _config.BWD_REDUCE_GROUPS
+            self.launch(reduce, ((n + columns - 1) // columns, 1, 1), (columns, groups, 1),
+                        (self.arg(ws, f32), self.arg(dweight, wdtype), programs * spec.rows, n),
+                        stream)

@@ -63,3 +63,19 @@ class CpuBackend:
         fwd(rows(x, x_stride), rows(residual, r_stride), vec(weight), vec(xscale),
             rows(y, y_stride), rows(residual_out, ro_stride), vec(rstd), vec(yscale),
             np.float32(eps), np.float32(weight_offset), rstd is not None)
+
+    def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
+                     weight_offset, workspace):
+        """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo."""
+        dy_stride, x_stride, dres_stride, dx_stride = strides
+        wdtype = weight.dtype if weight is not None else ""
+        bwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_bwd, x.dtype, wdtype, rstd is None,
+                           dres is not None, m > 1 and m * n >= PARALLEL_MIN_ELEMENTS)
+        partial = workspace((min(m, cpu_rmsnorm.BWD_GROUPS), n)).host
+        bwd(rows_view(dy, m, n, dy_stride), rows_view(x, m, n, x_stride),
+            weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
+            rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
+            rows_view(dres, m, n, dres_stride) if dres is not None else rows_view(x, m, n, x_stride),
+            rows_view(dx, m, n, dx_stride), partial,
+            dweight.host if dweight is not None else _dummy(_dtypes.FLOAT32),
+            np.float32(eps), np.float32(weight_offset))

@@ -68,6 +68,7 @@ class CudaKernel:
     def __init__(self, function, argtypes, ptx, name):
         self.function = function
         self.handle = int(function)
+        self.resident = {}      # block threads -> blocks per SM (occupancy)
         self.args = ArgPack(argtypes)
         self.ptx = ptx
         self.name = name
@@ -145,6 +146,14 @@ class CudaBackend(GpuBackend):
     @staticmethod
     def arg(info, dtype):
         return info.ptr if info is not None else 0
+
+    def resident_per_sm(self, kernel, block_threads):
+        per_sm = kernel.resident.get(block_threads)
+        if per_sm is None:
+            per_sm = kernel.resident[block_threads] = _check(
+                self._driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    kernel.function, block_threads, 0), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return per_sm
 
     def launch(self, kernel, grid, block, args, stream):
         params = kernel.args.pack(args)

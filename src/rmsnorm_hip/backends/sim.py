@@ -44,6 +44,9 @@ class SimBackend(GpuBackend):
         return np.lib.stride_tricks.as_strided(host, shape=(max(extent, 1),),
                                                strides=(host.itemsize,))
 
+    def resident_per_sm(self, kernel, block_threads):
+        return 2   # two programs on the one simulated SM: rows are walked with a stride
+
     def stream_for(self, info):
         return 0
 

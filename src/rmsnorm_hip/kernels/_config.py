@@ -44,20 +44,25 @@ class RowLayout:
         return ceil_div(self.n, self.chunk)
 
 
-def row_layout(n, dtype):
-    """The per-row reduction shape: a function of ``n`` and ``dtype`` only (batch invariance)."""
-    itemsize = _dtypes.ITEMSIZE[dtype]
-    chunk = CHUNK_BYTES // itemsize
+def _layout(n, dtype, chunks_per_thread, max_cached_floats):
+    """Threads per row for about ``chunks_per_thread`` chunks each (a power of two up to a warp,
+    else a whole number of 64-lane wavefronts, at most MAX_THREADS)."""
+    chunk = CHUNK_BYTES // _dtypes.ITEMSIZE[dtype]
     n_chunks = ceil_div(n, chunk)
     if n_chunks <= 32:
         # a power of two so the butterfly stays inside aligned lane groups on 32- and 64-lane warps
         threads = next_pow2(n_chunks)
     else:
         # a multiple of 64 is a whole number of warps on NVIDIA and of wavefronts on AMD
-        threads = min(MAX_THREADS, 64 * ceil_div(ceil_div(n_chunks, CHUNKS_PER_THREAD[itemsize]), 64))
+        threads = min(MAX_THREADS, 64 * ceil_div(ceil_div(n_chunks, chunks_per_thread), 64))
     per_thread = ceil_div(n_chunks, threads)
     return RowLayout(n=n, chunk=chunk, threads=threads, chunks_per_thread=per_thread,
-                     cached=per_thread * chunk <= MAX_CACHED_FLOATS)
+                     cached=per_thread * chunk <= max_cached_floats)
+
+
+def row_layout(n, dtype):
+    """The per-row reduction shape: a function of ``n`` and ``dtype`` only (batch invariance)."""
+    return _layout(n, dtype, CHUNKS_PER_THREAD[_dtypes.ITEMSIZE[dtype]], MAX_CACHED_FLOATS)
 
 
 def rows_per_block(layout):
@@ -90,3 +95,44 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
                    xscale=xscale)
+
+
+# ---- backward ---------------------------------------------------------------------------------
+# One 128-bit chunk of x and of dy per thread per row (K=1 up to 1024 threads): x, dy, the cached
+# weight and the dweight partial then take 4 x 8 floats for 16-bit data.  research/numba-probe/
+# BACKWARD.md (H200): N=4096 bf16 with 512 threads at 2 blocks per SM and N=8192 with 1024 threads
+# reached 95% / 94% of copy; 128-thread blocks with 4 chunks each needed 168 registers.
+BWD_MAX_CACHED_FLOATS = 16       # per array (x, dy, weight, dweight partial) and thread
+BWD_BLOCKS_PER_SM = 2            # programs per SM for 512-thread rows (BACKWARD.md: P = 2 x SMs)
+BWD_REDUCE_COLUMNS = 32          # dweight reduction block: 32 columns x BWD_REDUCE_GROUPS rows
+BWD_REDUCE_GROUPS = 8
+
+
+def bwd_row_layout(n, dtype):
+    """The backward's per-row layout (a function of N and dtype only: dx is batch invariant)."""
+    return _layout(n, dtype, 1, BWD_MAX_CACHED_FLOATS)
+
+
+@dataclass(frozen=True)
+class BwdSpec:
+    """Compile-time constants of the backward's row kernel."""
+    layout: RowLayout
+    rows: int               # rows per block (per program step)
+    dtype: str              # dy, x, dx, dresidual
+    weight: str             # weight / dweight dtype, "" for no weight
+    vector: bool
+    recompute_rstd: bool    # rstd from x (rstd=None) instead of the forward's
+    dresidual: bool
+
+
+def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
+    layout = bwd_row_layout(n, dtype)
+    return BwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
+                   vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual)
+
+
+def bwd_programs(spec, m, sm_count, resident_per_sm):
+    """Programs of the persistent backward grid: the blocks the device holds at once (at most
+    BWD_BLOCKS_PER_SM per SM), and no more than there are blocks of rows."""
+    per_sm = max(1, min(BWD_BLOCKS_PER_SM, resident_per_sm))
+    return max(1, min(ceil_div(m, spec.rows), per_sm * sm_count))

@@ -107,18 +107,29 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
     return load, store
 
 
-def make_chunk_sumsq(intr, chunk):
-    """Pairwise sum of squares of ``vals[slot : slot + chunk]`` (chunk 4 or 8)."""
+def make_chunk_dot(intr, chunk):
+    """Pairwise sum of ``a[i + k] * b[j + k]`` over a chunk (chunk 4 or 8)."""
     @intr.jitable
-    def chunk_sumsq(vals, slot):
-        s0 = vals[slot] * vals[slot] + vals[slot + 1] * vals[slot + 1]
-        s1 = vals[slot + 2] * vals[slot + 2] + vals[slot + 3] * vals[slot + 3]
+    def chunk_dot(a, i, b, j):
+        s0 = a[i] * b[j] + a[i + 1] * b[j + 1]
+        s1 = a[i + 2] * b[j + 2] + a[i + 3] * b[j + 3]
         total = s0 + s1
         if chunk == 8:
-            s2 = vals[slot + 4] * vals[slot + 4] + vals[slot + 5] * vals[slot + 5]
-            s3 = vals[slot + 6] * vals[slot + 6] + vals[slot + 7] * vals[slot + 7]
+            s2 = a[i + 4] * b[j + 4] + a[i + 5] * b[j + 5]
+            s3 = a[i + 6] * b[j + 6] + a[i + 7] * b[j + 7]
             total = total + (s2 + s3)
         return total
+
+    return chunk_dot
+
+
+def make_chunk_sumsq(intr, chunk):
+    """Pairwise sum of squares of ``vals[slot : slot + chunk]``."""
+    chunk_dot = make_chunk_dot(intr, chunk)
+
+    @intr.jitable
+    def chunk_sumsq(vals, slot):
+        return chunk_dot(vals, slot, vals, slot)
 
     return chunk_sumsq
 

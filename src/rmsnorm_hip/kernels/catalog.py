@@ -4,11 +4,13 @@ path or kernel shows up here by construction: add its enumeration next to its bu
 from dataclasses import dataclass
 
 from .. import _dtypes
-from . import _config, rmsnorm_fwd
+from . import _config, rmsnorm_bwd, rmsnorm_fwd
 
 # one representative N per forward path (see _config.row_layout): multi-row, scalar-only (ragged),
 # cached single-row at the LLM sizes, and the looped path
 FWD_REPRESENTATIVE_N = (8, 127, 4096, 5000, 8192, 65536)
+# backward: multi-row (ragged: scalar only), one row per block, looped
+BWD_REPRESENTATIVE_N = (127, 4096, 65536)
 
 
 @dataclass(frozen=True)
@@ -21,15 +23,19 @@ class Variant:
     @property
     def label(self):
         s = self.spec
+        if self.op == "bwd_reduce":
+            return f"bwd_reduce:w={s}"
         layout = s.layout
         path = ("looped" if not layout.cached else "multirow" if s.rows > 1 else "row")
         access = "vec" if s.vector else "scalar"
-        label = (f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}"
-                 f":rstd={int(s.store_rstd)}")
-        if getattr(s, "fused", False):
-            label += (f":res={int(s.residual)}" + (f":q={s.quant}" if s.quant else "")
-                      + (f":xs={s.xscale}" if s.xscale else ""))
-        return label
+        if self.op == "bwd":
+            flags = f"recompute={int(s.recompute_rstd)}:dres={int(s.dresidual)}"
+        else:
+            flags = f"rstd={int(s.store_rstd)}"
+            if getattr(s, "fused", False):
+                flags += (f":res={int(s.residual)}" + (f":q={s.quant}" if s.quant else "")
+                          + (f":xs={s.xscale}" if s.xscale else ""))
+        return f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}:{flags}"
 
     @property
     def full_width_store(self):
@@ -40,7 +46,7 @@ class Variant:
 
 def fwd_variants(ns=FWD_REPRESENTATIVE_N):
     for dtype in _dtypes.ACTIVATION_DTYPES:
-        weights = ["", dtype] + ([_dtypes.FLOAT32] if dtype != _dtypes.FLOAT32 else [])
+        weights = _weights(dtype)
         for n in ns:
             layout = _config.row_layout(n, dtype)
             vector_ok = n % layout.chunk == 0
@@ -81,7 +87,27 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N):
                 for op, s in specs:
                     yield Variant(op, rmsnorm_fwd.make_rmsnorm_fwd, s, rmsnorm_fwd.argtypes(s))
 
+def _weights(dtype):
+    return ["", dtype] + ([_dtypes.FLOAT32] if dtype != _dtypes.FLOAT32 else [])
+
+
+def bwd_variants(ns=BWD_REPRESENTATIVE_N):
+    for dtype in _dtypes.ACTIVATION_DTYPES:
+        for n in ns:
+            layout = _config.bwd_row_layout(n, dtype)
+            for weight in _weights(dtype):
+                for vector in ([True, False] if n % layout.chunk == 0 else [False]):
+                    for recompute in (False, True):
+                        for dres in (False, True):
+                            spec = _config.bwd_spec(n, dtype, weight, vector, recompute, dres)
+                            yield Variant("bwd", rmsnorm_bwd.make_rmsnorm_bwd, spec,
+                                          rmsnorm_bwd.argtypes(spec))
+    for weight in _dtypes.ACTIVATION_DTYPES:
+        yield Variant("bwd_reduce", rmsnorm_bwd.make_dweight_reduce, weight,
+                      rmsnorm_bwd.reduce_argtypes(weight))
+
 
 def variants():
     yield from fwd_variants()
     yield from fused_variants()
+    yield from bwd_variants()

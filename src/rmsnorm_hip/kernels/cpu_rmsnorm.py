@@ -14,34 +14,43 @@ from ._rowops import codec
 LANES = 8
 
 
-def make_row_sumsq(intr, dtype):
-    decode = codec(intr, dtype)[0]
-
+def make_lane_sum(intr, term):
+    """row_sum(a, b, w, off, n): sum of ``term(a, b, w, off, j)`` over j < n in eight interleaved
+    float32 partial sums combined pairwise (a fixed order that depends on N only)."""
     @intr.jitable
-    def row_sumsq(row, n):
+    def lane_sum(a, b, w, off, n):
         p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = float32(0.0)
         full = n - n % LANES
         for j in range(0, full, LANES):
-            v0 = decode(row[j])
-            v1 = decode(row[j + 1])
-            v2 = decode(row[j + 2])
-            v3 = decode(row[j + 3])
-            v4 = decode(row[j + 4])
-            v5 = decode(row[j + 5])
-            v6 = decode(row[j + 6])
-            v7 = decode(row[j + 7])
-            p0 += v0 * v0
-            p1 += v1 * v1
-            p2 += v2 * v2
-            p3 += v3 * v3
-            p4 += v4 * v4
-            p5 += v5 * v5
-            p6 += v6 * v6
-            p7 += v7 * v7
+            p0 += term(a, b, w, off, j)
+            p1 += term(a, b, w, off, j + 1)
+            p2 += term(a, b, w, off, j + 2)
+            p3 += term(a, b, w, off, j + 3)
+            p4 += term(a, b, w, off, j + 4)
+            p5 += term(a, b, w, off, j + 5)
+            p6 += term(a, b, w, off, j + 6)
+            p7 += term(a, b, w, off, j + 7)
         for j in range(full, n):
-            v = decode(row[j])
-            p0 += v * v
+            p0 += term(a, b, w, off, j)
         return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+
+    return lane_sum
+
+
+def make_row_sumsq(intr, dtype):
+    """row_sumsq(row, n): the row's sum of squares."""
+    decode = codec(intr, dtype)[0]
+
+    @intr.jitable
+    def square(a, b, w, off, j):
+        v = decode(a[j])
+        return v * v
+
+    lane_sum = make_lane_sum(intr, square)
+
+    @intr.jitable
+    def row_sumsq(row, n):
+        return lane_sum(row, row, row, float32(0.0), n)
 
     return row_sumsq
 
@@ -129,3 +138,56 @@ def make_cpu_fused_fwd(intr, dtype, weight_dtype, parallel, has_residual, quant,
                     y[i, j] = encode(scale(h, j, r, weight, xscale, weight_offset))
 
     return fused_fwd
+
+BWD_GROUPS = 64   # row groups (dweight partial rows); a function of M only: deterministic
+
+
+def make_cpu_rmsnorm_bwd(intr, dtype, weight_dtype, recompute_rstd, has_dres, parallel):
+    """bwd(dy, x, weight, rstd, dres, dx, partial (G, N) float32, dweight, eps, weight_offset):
+    dx row by row, and dweight from G row-group partials added in group order."""
+    decode, encode, _ = codec(intr, dtype)
+    decode_w, encode_w, _ = codec(intr, weight_dtype or _dtypes.FLOAT32)
+    has_weight = bool(weight_dtype)
+    row_sumsq = make_row_sumsq(intr, dtype)
+
+    @intr.jitable
+    def x_times_wdy(x, dy, w, off, j):
+        g = decode(dy[j])
+        if has_weight:
+            g = g * (decode_w(w[j]) + off)
+        return decode(x[j]) * g
+
+    row_dot = make_lane_sum(intr, x_times_wdy)
+
+    @numba.njit(parallel=parallel, nogil=True)
+    def rmsnorm_bwd(dy, x, weight, rstd, dres, dx, partial, dweight, eps, weight_offset):
+        m, n = x.shape
+        groups = partial.shape[0]
+        for g in prange(groups):
+            for j in range(n):
+                partial[g, j] = float32(0.0)
+            for i in range(g * m // groups, (g + 1) * m // groups):
+                if recompute_rstd:
+                    r = float32(1.0) / np.sqrt(row_sumsq(x[i], n) / float32(n) + eps)
+                else:
+                    r = rstd[i]
+                c1 = row_dot(x[i], dy[i], weight, weight_offset, n) * r / float32(n)
+                for j in range(n):
+                    d = decode(dy[i, j])
+                    wdy = d
+                    if has_weight:
+                        wdy = d * (decode_w(weight[j]) + weight_offset)
+                    x_hat = decode(x[i, j]) * r
+                    v = (wdy - x_hat * c1) * r
+                    if has_dres:
+                        v = v + decode(dres[i, j])
+                    dx[i, j] = encode(v)
+                    partial[g, j] += d * x_hat
+        if has_weight:
+            for j in range(n):
+                total = float32(0.0)
+                for g in range(groups):
+                    total += partial[g, j]
+                dweight[j] = encode_w(total)
+
+    return rmsnorm_bwd

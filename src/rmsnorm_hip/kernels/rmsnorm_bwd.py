@@ -1,0 +1,203 @@
+"""RMSNorm backward: dx and a deterministic dweight.
+
+    x_hat = x * rstd,  wdy = dy * (weight + weight_offset)
+    c1    = mean(x_hat * wdy) = rstd * sum(x * wdy) / N          (pass 1, a row reduction)
+    dx    = (wdy - x_hat * c1) * rstd  [+ dresidual]            (pass 2, one rounding)
+    dweight = sum over rows of dy * x_hat                      (float32)
+
+``rmsnorm_bwd`` runs a persistent grid of P programs (blocks of ``threads x rows``); program p
+takes the row blocks p, p + P, ...  Each thread owns the same chunks of every row, so its share of
+dweight stays in float32 registers (cached layouts, written to the workspace at the end) or in its
+program's workspace row (looped layouts, read-modify-write: that row and those columns belong to
+the thread alone).  ``dweight_reduce`` then sums the workspace ``ws[P * rows, N]`` column-wise in a
+fixed order: dweight is the same bits on every run with the same P (a function of M, N and the
+device).  With ``recompute_rstd`` the row's sum of squares is reduced in the same pass as
+sum(x * wdy), exactly as the forward reduces it.
+"""
+import math
+
+from numba import float32, int64, types
+
+from .. import _dtypes
+from ._config import BWD_REDUCE_COLUMNS, BWD_REDUCE_GROUPS, BwdSpec
+from ._rowops import ChunkIO, codec, make_chunk_dot, make_chunk_sumsq, make_row_sum
+
+
+def _pointer(dtype):
+    from numba.np.numpy_support import from_dtype
+    return types.CPointer(from_dtype(_dtypes.STORAGE[dtype]))
+
+
+def argtypes(spec: BwdSpec):
+    """(dy, x, weight, rstd, dresidual, dx, ws, m, dy_stride, x_stride, dres_stride, dx_stride,
+    eps, weight_offset)"""
+    data, f32 = _pointer(spec.dtype), types.CPointer(types.float32)
+    return (data, data, _pointer(spec.weight or _dtypes.FLOAT32), f32, data, data, f32,
+            types.int64, types.int64, types.int64, types.int64, types.int64, types.float32,
+            types.float32)
+
+
+def make_rmsnorm_bwd(intr, spec: BwdSpec):
+    layout = spec.layout
+    n, chunk, threads = layout.n, layout.chunk, layout.threads
+    per_thread, cached, rows = layout.chunks_per_thread, layout.cached, spec.rows
+    span = per_thread * chunk if cached else chunk        # floats kept per array and thread
+    has_weight, recompute, has_dres = bool(spec.weight), spec.recompute_rstd, spec.dresidual
+    gpu, jitable = intr.gpu, intr.jitable
+    io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
+    w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
+    load, store, load_w = io.load, io.store, w_io.load
+    chunk_dot = make_chunk_dot(intr, chunk)
+    chunk_sumsq = make_chunk_sumsq(intr, chunk)
+    row_sum, warps_per_row = make_row_sum(intr, threads)
+    n_f32 = float32(n)
+
+    @jitable
+    def load_or_zero(ptr, start, col0, live, vals, slot):
+        if live and col0 < n:
+            load(ptr, start, col0, vals, slot)
+        else:
+            for e in range(chunk):
+                vals[slot + e] = float32(0.0)
+
+    @jitable
+    def load_weight(weight, col0, wv, slot):
+        if col0 < n:
+            load_w(weight, 0, col0, wv, slot)
+        else:
+            for e in range(chunk):
+                wv[slot + e] = float32(0.0)
+
+    @jitable
+    def weighted(dv, wv, slot, wslot, weight_offset, out):
+        """out[0:chunk] = wdy = dy * (weight + weight_offset) of one chunk."""
+        for e in range(chunk):
+            out[e] = dv[slot + e] * (wv[wslot + e] + weight_offset) if has_weight else dv[slot + e]
+
+    def rmsnorm_bwd(dy, x, weight, rstd, dres, dx, ws, m, dy_stride, x_stride, dres_stride,
+                    dx_stride, eps, weight_offset):
+        tx = gpu.threadIdx.x
+        ty = gpu.threadIdx.y
+        program = int64(gpu.blockIdx.x)
+        programs = int64(gpu.gridDim.x)
+        red = gpu.shared.array((2, rows, warps_per_row), float32)
+        xv = gpu.local.array(span, float32)
+        dv = gpu.local.array(span, float32)
+        wv = gpu.local.array(span, float32)    # weight: loaded once per program when cached
+        acc = gpu.local.array(span, float32)   # dweight partial (cached layouts)
+        wdy = gpu.local.array(chunk, float32)
+        out = gpu.local.array(chunk, float32)
+        rv = gpu.local.array(chunk, float32)   # dresidual
+        ws_start = (program * rows + ty) * n
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if cached:
+                if has_weight:
+                    load_weight(weight, col0, wv, k * chunk)
+                for e in range(chunk):
+                    acc[k * chunk + e] = float32(0.0)
+            elif has_weight:
+                for e in range(chunk):
+                    if col0 + e < n:
+                        ws[ws_start + col0 + e] = float32(0.0)
+        step = programs * rows
+        iters = (m - program * rows + step - 1) // step   # uniform in the block
+        # looped layouts walk many chunks: a trip count the compiler cannot see (m >> 63 is 0)
+        # keeps those loops rolled; unrolled, their loads spill (seen on gfx942 at N=65536)
+        trips = per_thread if cached else per_thread + (m >> 63)
+        parity = 0
+        for it in range(iters):
+            row = (program + it * programs) * rows + ty
+            live = row < m
+            x_start = row * x_stride
+            dy_start = row * dy_stride
+            # pass 1: sum(x * wdy) and, when recomputing rstd, sum(x * x)
+            s = float32(0.0)
+            ss = float32(0.0)
+            for k in range(trips):
+                col0 = (tx + k * threads) * chunk
+                slot = k * chunk if cached else 0
+                load_or_zero(x, x_start, col0, live, xv, slot)
+                load_or_zero(dy, dy_start, col0, live, dv, slot)
+                if has_weight and not cached:
+                    load_weight(weight, col0, wv, 0)
+                weighted(dv, wv, slot, slot, weight_offset, wdy)
+                s += chunk_dot(xv, slot, wdy, 0)
+                if recompute:
+                    ss += chunk_sumsq(xv, slot)
+            if recompute:
+                ss = row_sum(ss, red, parity, ty, tx)
+                parity ^= 1
+                r = float32(1.0) / math.sqrt(ss / n_f32 + eps)
+            else:
+                r = rstd[row] if live else float32(0.0)
+            s = row_sum(s, red, parity, ty, tx)
+            parity ^= 1
+            c1 = s * r / n_f32
+            # pass 2: dx, and the dweight partial dy * x_hat
+            if live:
+                dx_start = row * dx_stride
+                for k in range(trips):
+                    col0 = (tx + k * threads) * chunk
+                    if col0 < n:
+                        slot = k * chunk if cached else 0
+                        if not cached:
+                            load(x, x_start, col0, xv, 0)
+                            load(dy, dy_start, col0, dv, 0)
+                            if has_weight:
+                                load_w(weight, 0, col0, wv, 0)
+                        if has_dres:
+                            load(dres, row * dres_stride, col0, rv, 0)
+                        weighted(dv, wv, slot, slot, weight_offset, wdy)
+                        for e in range(chunk):
+                            x_hat = xv[slot + e] * r
+                            g = (wdy[e] - x_hat * c1) * r
+                            if has_dres:
+                                g = g + rv[e]
+                            out[e] = g
+                            if has_weight:
+                                if cached:
+                                    acc[slot + e] += dv[slot + e] * x_hat
+                                elif col0 + e < n:
+                                    ws[ws_start + col0 + e] += dv[e] * x_hat
+                        store(dx, dx_start, col0, out, 0)
+        if cached and has_weight:
+            for k in range(per_thread):
+                col0 = (tx + k * threads) * chunk
+                for e in range(chunk):
+                    if col0 + e < n:
+                        ws[ws_start + col0 + e] = acc[k * chunk + e]
+
+    return rmsnorm_bwd
+
+
+def reduce_argtypes(weight_dtype):
+    """(ws, dweight, ws_rows, n)"""
+    return (types.CPointer(types.float32), _pointer(weight_dtype), types.int64, types.int64)
+
+
+def make_dweight_reduce(intr, weight_dtype):
+    """dweight[j] = sum over ws rows of ws[r, j], in a fixed order: thread (tx, ty) of block b sums
+    rows ty, ty + G, ... of column 32 b + tx; the G partial sums are then added in order."""
+    gpu = intr.gpu
+    encode = codec(intr, weight_dtype)[1]
+    columns, groups = BWD_REDUCE_COLUMNS, BWD_REDUCE_GROUPS
+
+    def dweight_reduce(ws, dweight, ws_rows, n):
+        tx = gpu.threadIdx.x
+        ty = gpu.threadIdx.y
+        col = int64(gpu.blockIdx.x) * columns + tx
+        part = gpu.shared.array((groups, columns), float32)
+        total = float32(0.0)
+        if col < n:
+            for r in range(ty, ws_rows, groups):
+                total += ws[r * n + col]
+        part[ty, tx] = total
+        gpu.syncthreads()
+        if ty == 0 and col < n:
+            total = part[0, tx]
+            for g in range(1, groups):
+                total += part[g, tx]
+            dweight[col] = encode(total)
+
+    return dweight_reduce

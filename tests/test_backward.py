@@ -1,0 +1,180 @@
+"""rms_norm_backward against the float64 reference (API.md's dx/dweight contract), on the CPU
+backend over the full matrix and on the simulator over every GPU kernel path."""
+import numpy as np
+import pytest
+
+from conftest import DTYPES, FLOAT32, WEIGHT_COMBOS, assert_bitwise, random_array, ulp
+from rmsnorm_hip import _arrays, rms_norm, rms_norm_backward
+from rmsnorm_hip.kernels import _config
+from rmsnorm_hip.reference import rms_norm_backward_ref, to_float64
+
+
+def assert_dx(dx, dy, x, weight, rstd, ref, dtype, weight_offset=0.0):
+    """API.md: dx against s = |dy * (weight + weight_offset) * rstd| per element."""
+    scale = 1.0 if weight is None else to_float64(weight) + weight_offset
+    s = np.abs(to_float64(dy) * scale * to_float64(rstd).reshape(-1, 1).reshape(
+        to_float64(dy).shape[:-1] + (1,)))
+    err = np.abs(to_float64(dx) - ref)
+    if dtype == FLOAT32:
+        assert np.linalg.norm(err) < 1e-5 * np.linalg.norm(s) + 1e-30, (
+            f"float32 dx: ||dx - ref|| {np.linalg.norm(err):.3e} >= 1e-5 ||s||")
+    else:
+        bound = 2 * ulp(ref, dtype) + 1e-5 * s
+        bad = ~(err <= bound)
+        assert not bad.any(), (f"{dtype} dx: {bad.sum()} elements beyond 2 ulp + 1e-5 s; worst "
+                               f"{err[bad].max():.3e}")
+
+
+def assert_dweight(dw, ref, dtype):
+    got = to_float64(dw)
+    assert got.shape == ref.shape and np.all(np.isfinite(got))
+    if dtype == FLOAT32:
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert rel < 1e-4, f"float32 dweight relative error {rel:.3e}"
+    else:
+        bound = 2 * ulp(ref, dtype) + 1e-5 * np.abs(ref).max()
+        assert np.all(np.abs(got - ref) <= bound), f"{dtype} dweight beyond 2 ulp + 1e-5 max|ref|"
+
+
+def run_case(rng, shape, dtype, wdtype, *, given_rstd=True, dres=False, weight_offset=0.0):
+    n = shape[-1]
+    x = random_array(rng, shape, dtype)
+    dy = random_array(rng, shape, dtype)
+    w = None if wdtype is None else random_array(rng, (n,), wdtype, loc=1.0 - weight_offset,
+                                                 scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True, weight_offset=weight_offset)[1] if w is not None \
+        else rms_norm(x, return_rstd=True)[1]
+    dr = random_array(rng, shape, dtype) if dres else None
+    dx, dw = rms_norm_backward(dy, x, w, rstd if given_rstd else None,
+                               weight_offset=weight_offset, dresidual=dr)
+    ref_dx, ref_dw = rms_norm_backward_ref(dy, x, w, rstd if given_rstd else None,
+                                           weight_offset=weight_offset, dresidual=dr)
+    assert dx.shape == x.shape and dx.dtype == x.dtype
+    assert_dx(dx, dy, x, w, rstd, ref_dx, dtype, weight_offset)
+    if w is None:
+        assert dw is None
+    else:
+        assert dw.dtype == w.dtype
+        assert_dweight(dw, ref_dw, wdtype)
+    return x, dy, w, rstd, dr, dx, dw
+
+
+@pytest.mark.parametrize("m", [1, 7, 333])
+@pytest.mark.parametrize("n", [1, 3, 127, 4097, 5000])
+@pytest.mark.parametrize("dtype,wdtype", WEIGHT_COMBOS, ids=lambda v: str(v))
+@pytest.mark.parametrize("given_rstd", [True, False], ids=["rstd", "recompute"])
+def test_cpu_matrix(rng, m, n, dtype, wdtype, given_rstd):
+    run_case(rng, (m, n), dtype, wdtype, given_rstd=given_rstd)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dresidual_offset_and_leading_dims(rng, dtype):
+    run_case(rng, (3, 5, 256), dtype, dtype, dres=True, weight_offset=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_rows_equal_contiguous(rng, dtype):
+    wide_x, wide_dy = random_array(rng, (33, 300), dtype), random_array(rng, (33, 300), dtype)
+    x, dy = wide_x[:, 5:261], wide_dy[:, 40:296]
+    w = random_array(rng, (256,), dtype, loc=1.0, scale=0.1)
+    dx, dw = rms_norm_backward(dy, x, w)
+    dx_c, dw_c = rms_norm_backward(np.ascontiguousarray(dy), np.ascontiguousarray(x), w)
+    assert_bitwise(dx, dx_c, "strided dx")
+    assert_bitwise(dw, dw_c, "strided dweight")
+
+
+def test_dweight_accuracy_at_65536_rows(rng):
+    x = random_array(rng, (65536, 64), FLOAT32)
+    dy = random_array(rng, (65536, 64), FLOAT32)
+    w = random_array(rng, (64,), FLOAT32, loc=1.0, scale=0.1)
+    _, dw = rms_norm_backward(dy, x, w)
+    assert_dweight(dw, rms_norm_backward_ref(dy, x, w)[1], FLOAT32)
+
+
+def test_empty_batch_gives_zero_dweight(rng):
+    x = np.empty((0, 64), np.float32)
+    dx, dw = rms_norm_backward(x, x, np.ones(64, np.float32))
+    assert dx.shape == (0, 64) and dw.shape == (64,) and not dw.any()
+
+
+def _nan_outputs(monkeypatch):
+    """Every output and workspace the library allocates starts as NaN (all-ones bytes are NaN in
+    float32, float16 and bfloat16), so an element a kernel does not write shows up."""
+    real = _arrays.empty
+
+    def poisoned(like, shape, dtype):
+        out, info = real(like, shape, dtype)
+        info.host.view(np.uint8)[...] = 0xFF
+        return out, info
+    monkeypatch.setattr(_arrays, "empty", poisoned)
+
+
+# simulator: every GPU path, deterministic, batch invariant
+# (M, N, dtype, weight dtype, looped): multi-row (ragged), one row per block, the looped layout.
+# The looped layout is reached by lowering the register budget, so that a simulated block stays
+# small (the real threshold needs rows of more than 16384 elements: 1024-thread blocks).
+SIM_CASES = [(5, 127, "bfloat16", "bfloat16", False), (3, 1000, FLOAT32, FLOAT32, False),
+             (3, 1024, "float16", FLOAT32, False), (3, 1000, "bfloat16", FLOAT32, True),
+             (3, 999, FLOAT32, FLOAT32, True)]
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("m,n,dtype,wdtype,looped", SIM_CASES, ids=str)
+def test_sim_paths(rng, use_backend, monkeypatch, m, n, dtype, wdtype, looped):
+    use_backend("sim")
+    if looped:
+        monkeypatch.setattr(_config, "BWD_MAX_CACHED_FLOATS", 2)
+    layout = _config.bwd_row_layout(n, dtype)
+    assert layout.cached != looped and (layout.threads > 32) == (n > 256)
+    _nan_outputs(monkeypatch)
+    x, dy, w, rstd, dr, dx, dw = run_case(rng, (m, n), dtype, wdtype, dres=True)
+    dx2, dw2 = rms_norm_backward(dy, x, w, None, dresidual=dr)   # recompute rstd
+    assert_dweight(dw2, rms_norm_backward_ref(dy, x, w, None, dresidual=dr)[1], wdtype)
+    again = rms_norm_backward(dy, x, w, rstd, dresidual=dr)
+    assert_bitwise(again[0], dx, "dx run to run")
+    assert_bitwise(again[1], dw, "dweight run to run")
+    alone = rms_norm_backward(dy[m - 1:], x[m - 1:], w, rstd[m - 1:], dresidual=dr[m - 1:])[0]
+    assert_bitwise(alone, dx[m - 1:], "dx of a row alone vs in its batch")
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", pytest.param("sim", marks=pytest.mark.sim)])
+def test_deterministic_dweight(rng, use_backend, backend_name):
+    use_backend(backend_name)
+    m = 300 if backend_name == "cpu" else 9
+    x, dy = random_array(rng, (m, 64), "bfloat16"), random_array(rng, (m, 64), "bfloat16")
+    w = random_array(rng, (64,), FLOAT32, loc=1.0, scale=0.1)
+    runs = [rms_norm_backward(dy, x, w) for _ in range(3)]
+    for dx, dw in runs[1:]:
+        assert_bitwise(dx, runs[0][0], "dx")
+        assert_bitwise(dw, runs[0][1], "dweight")
+
+
+BAD = [
+    (lambda x, w, r: dict(dy=x[:, :-1], x=x), ValueError, r"rms_norm_backward: dy must have x's shape"),
+    (lambda x, w, r: dict(dy=x.astype(np.float16), x=x), TypeError,
+     r"rms_norm_backward: dy must have x's dtype float32, got float16"),
+    (lambda x, w, r: dict(dy=x, x=x, rstd=r[:-1]), ValueError,
+     r"rms_norm_backward: rstd must have shape \(4,\), got \(3,\)"),
+    (lambda x, w, r: dict(dy=x, x=x, rstd=r.astype(np.float16)), TypeError,
+     r"rms_norm_backward: rstd must have dtype float32"),
+    (lambda x, w, r: dict(dy=x, x=x, dresidual=x[:2]), ValueError,
+     r"rms_norm_backward: dresidual must have x's shape"),
+    (lambda x, w, r: dict(dy=x, x=x, weight_offset=1.0), ValueError,
+     r"rms_norm_backward: weight_offset must be 0.0 when weight is None, got 1.0"),
+    (lambda x, w, r: dict(dy=x, x=x, weight=w, deterministic="yes"), TypeError,
+     r"rms_norm_backward: deterministic must be a bool, got str"),
+    (lambda x, w, r: dict(dy=x, x=x.astype(np.float64)), TypeError,
+     r"rms_norm_backward: x must have dtype float32, float16 or bfloat16, got float64"),
+]
+
+
+@pytest.mark.parametrize("make,error,match", BAD, ids=range(len(BAD)))
+def test_errors(rng, make, error, match):
+    x = random_array(rng, (4, 16), FLOAT32)
+    w = random_array(rng, (16,), FLOAT32)
+    r = np.ones(4, np.float32)
+    kwargs = make(x, w, r)
+    before = x.copy()
+    with pytest.raises(error, match=match):
+        rms_norm_backward(**kwargs)
+    assert_bitwise(x, before, "x after a rejected call")
