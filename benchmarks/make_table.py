@@ -32,10 +32,11 @@ def newest_per_op(paths):
             result = json.load(f)
         if not isinstance(result, dict) or "environment" not in result or "op" not in result:
             continue  # tuning sweeps, ISA reports: not bench runs
-        rank = (result["target"] != "cpu", result["environment"].get("date", ""))
-        op = result["op"]
-        if op not in chosen or rank > chosen[op][0]:
-            chosen[op] = (rank, path, result)
+        for run in result["runs"] if result["op"] == "all" else [result]:
+            rank = (run["target"] != "cpu", run["environment"].get("date", ""))
+            op = run["op"]
+            if op not in chosen or rank > chosen[op][0]:
+                chosen[op] = (rank, path, run)
     return {op: (path, result) for op, (_, path, result) in sorted(chosen.items())}
 
 

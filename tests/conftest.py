@@ -94,6 +94,38 @@ QUANT_EQUAL_PER_MILLE = 999
 QUANT_TIE = 1e-5
 
 
+def _f64(a):
+    from rmsnorm_hip.reference import to_float64
+    return to_float64(a)
+
+
+def assert_dx(dx, dy, x, weight, rstd, ref, dtype, weight_offset=0.0):
+    """API.md: dx against s = |dy * (weight + weight_offset) * rstd| per element."""
+    scale = 1.0 if weight is None else _f64(weight) + weight_offset
+    s = np.abs(_f64(dy) * scale * _f64(rstd).reshape(-1, 1).reshape(
+        _f64(dy).shape[:-1] + (1,)))
+    err = np.abs(_f64(dx) - ref)
+    if dtype == FLOAT32:
+        assert np.linalg.norm(err) < 1e-5 * np.linalg.norm(s) + 1e-30, (
+            f"float32 dx: ||dx - ref|| {np.linalg.norm(err):.3e} >= 1e-5 ||s||")
+    else:
+        bound = 2 * ulp(ref, dtype) + 1e-5 * s
+        bad = ~(err <= bound)
+        assert not bad.any(), (f"{dtype} dx: {bad.sum()} elements beyond 2 ulp + 1e-5 s; worst "
+                               f"{err[bad].max():.3e}")
+
+
+def assert_dweight(dw, ref, dtype):
+    got = _f64(dw)
+    assert got.shape == ref.shape and np.all(np.isfinite(got))
+    if dtype == FLOAT32:
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert rel < 1e-4, f"float32 dweight relative error {rel:.3e}"
+    else:
+        bound = 2 * ulp(ref, dtype) + 1e-5 * np.abs(ref).max()
+        assert np.all(np.abs(got - ref) <= bound), f"{dtype} dweight beyond 2 ulp + 1e-5 max|ref|"
+
+
 def quant_levels(q, quant_dtype):
     """Signed level index of each element of q (int8 values, or float8 e4m3fn values / bits as
     sign and magnitude code: adjacent representable values differ by 1; -0 and +0 are 0)."""

@@ -3,37 +3,11 @@ backend over the full matrix and on the simulator over every GPU kernel path."""
 import numpy as np
 import pytest
 
-from conftest import DTYPES, FLOAT32, WEIGHT_COMBOS, assert_bitwise, random_array, ulp
+from conftest import (DTYPES, FLOAT32, WEIGHT_COMBOS, assert_bitwise, assert_dweight, assert_dx,
+                      random_array)
 from rmsnorm_hip import _arrays, rms_norm, rms_norm_backward
 from rmsnorm_hip.kernels import _config
-from rmsnorm_hip.reference import rms_norm_backward_ref, to_float64
-
-
-def assert_dx(dx, dy, x, weight, rstd, ref, dtype, weight_offset=0.0):
-    """API.md: dx against s = |dy * (weight + weight_offset) * rstd| per element."""
-    scale = 1.0 if weight is None else to_float64(weight) + weight_offset
-    s = np.abs(to_float64(dy) * scale * to_float64(rstd).reshape(-1, 1).reshape(
-        to_float64(dy).shape[:-1] + (1,)))
-    err = np.abs(to_float64(dx) - ref)
-    if dtype == FLOAT32:
-        assert np.linalg.norm(err) < 1e-5 * np.linalg.norm(s) + 1e-30, (
-            f"float32 dx: ||dx - ref|| {np.linalg.norm(err):.3e} >= 1e-5 ||s||")
-    else:
-        bound = 2 * ulp(ref, dtype) + 1e-5 * s
-        bad = ~(err <= bound)
-        assert not bad.any(), (f"{dtype} dx: {bad.sum()} elements beyond 2 ulp + 1e-5 s; worst "
-                               f"{err[bad].max():.3e}")
-
-
-def assert_dweight(dw, ref, dtype):
-    got = to_float64(dw)
-    assert got.shape == ref.shape and np.all(np.isfinite(got))
-    if dtype == FLOAT32:
-        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-        assert rel < 1e-4, f"float32 dweight relative error {rel:.3e}"
-    else:
-        bound = 2 * ulp(ref, dtype) + 1e-5 * np.abs(ref).max()
-        assert np.all(np.abs(got - ref) <= bound), f"{dtype} dweight beyond 2 ulp + 1e-5 max|ref|"
+from rmsnorm_hip.reference import rms_norm_backward_ref
 
 
 def run_case(rng, shape, dtype, wdtype, *, given_rstd=True, dres=False, weight_offset=0.0):
@@ -178,3 +152,20 @@ def test_errors(rng, make, error, match):
     with pytest.raises(error, match=match):
         rms_norm_backward(**kwargs)
     assert_bitwise(x, before, "x after a rejected call")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, dtype):
+    """x and dy kept as loaded words between the passes (the 16-bit cached vector path) run the
+    same float32 operations as the float-holding form."""
+    use_backend("sim")
+    x, dy = random_array(rng, (3, 1024), dtype), random_array(rng, (3, 1024), dtype)
+    w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
+    assert _config.bwd_spec(1024, dtype, dtype, True, True, False).packed
+    packed = rms_norm_backward(dy, x, w)
+    monkeypatch.setattr(_config, "BWD_PACK_16BIT", False)
+    assert not _config.bwd_spec(1024, dtype, dtype, True, True, False).packed
+    plain = rms_norm_backward(dy, x, w)
+    assert_bitwise(packed[0], plain[0], "dx")
+    assert_bitwise(packed[1], plain[1], "dweight")

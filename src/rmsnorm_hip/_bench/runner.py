@@ -13,25 +13,24 @@ import sys
 
 from . import ops, table, targets
 
-# The H200 forward cases of research/peers-h200.md: large, mid and small row counts, one N that is
+# The H200 cases of research/peers-h200.md per op: large, mid and small row counts, one N that is
 # no power of two, and float32.
-CUDA_CASES = (
-    (32768, 4096, "bfloat16"),
-    (16384, 8192, "bfloat16"),
-    (8192, 8192, "bfloat16"),
-    (4096, 4096, "bfloat16"),
-    (1024, 8192, "bfloat16"),
-    (4096, 5000, "bfloat16"),
-    (4096, 4096, "float32"),
-)
+_LLM = ((32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192))
+CUDA_CASES = {
+    "fwd": tuple((M, N, "bfloat16") for M, N in _LLM) + ((4096, 5000, "bfloat16"),
+                                                         (4096, 4096, "float32")),
+    "bwd": tuple((M, N, "bfloat16") for M, N in _LLM) + ((4096, 4096, "float32"),),
+    "bwd_dres": tuple((M, N, "bfloat16") for M, N in _LLM),
+    "fused": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
+    "quant": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
+    "quant_fp8": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
+}
 # Smaller on the CPU, where a call takes milliseconds.
-CPU_CASES = (
-    (4096, 4096, "bfloat16"),
-    (1024, 4096, "bfloat16"),
-    (256, 8192, "bfloat16"),
-    (1000, 5000, "bfloat16"),
-    (1024, 4096, "float32"),
-)
+_CPU_FWD = ((4096, 4096, "bfloat16"), (1024, 4096, "bfloat16"), (256, 8192, "bfloat16"),
+            (1000, 5000, "bfloat16"), (1024, 4096, "float32"))
+CPU_CASES = {"fwd": _CPU_FWD,
+             **{op: ((1024, 4096, "bfloat16"), (256, 8192, "bfloat16"), (1024, 4096, "float32"))
+                for op in ops.ALL if op != "fwd"}}
 # Host overhead: decode-sized batches, where launch cost decides.
 HOST_CASES = ((1, 4096, "bfloat16"), (32, 4096, "bfloat16"))
 
@@ -42,12 +41,44 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 def run(op="fwd", shapes=None, dtypes=None, json_path=None, plot_path=None, compare=True,
         progress=True, *, device="auto", iters=20, flush="write", host_overhead=True, seed=0,
         print_table=True):
-    """Benchmarks `op`; returns the result dict (see the package docstring)."""
-    if op not in ops.OPS:
-        raise ValueError(f"run: op must be one of {sorted(ops.OPS)}, got {op!r}")
-    spec = ops.OPS[op]
+    """Benchmarks `op` ("all": every op in turn, one result holding each op's); returns the
+    result dict (see the package docstring)."""
+    if op != "all" and op not in ops.OPS:
+        raise ValueError(f"run: op must be 'all' or one of {sorted(ops.OPS)}, got {op!r}")
     target = targets.make_target(device, flush_mode=flush, iters=iters)
-    cases = _cases(target.name, shapes, dtypes)
+    if op == "all":
+        return _run_all(target, shapes, dtypes, json_path, plot_path, compare, progress, iters,
+                        flush, host_overhead, seed, print_table)
+    return _run_op(target, op, shapes, dtypes, json_path, plot_path, compare, progress, iters,
+                   flush, host_overhead, seed, print_table)
+
+
+def _run_all(target, shapes, dtypes, json_path, plot_path, compare, progress, iters, flush,
+             host_overhead, seed, print_table):
+    combined = {"schema": 1, "op": "all", "target": target.name,
+                "environment": target.environment(), "runs": []}
+    for name in ops.ALL:
+        result = _run_op(target, name, shapes, dtypes, None, None, compare, progress, iters,
+                         flush, host_overhead, seed, print_table)
+        combined["runs"].append(result)
+        combined["copy"] = result["copy"]
+        if json_path:
+            _write_json(combined, json_path)
+        if result.get("interrupted"):
+            combined["interrupted"] = True
+            break
+    if plot_path:
+        try:
+            table.plot(combined, plot_path)
+        except ImportError as error:
+            print(f"no plot: {error}", file=sys.stderr)
+    return combined
+
+
+def _run_op(target, op, shapes, dtypes, json_path, plot_path, compare, progress, iters, flush,
+            host_overhead, seed, print_table):
+    spec = ops.OPS[op]
+    cases = _cases(target.name, op, shapes, dtypes)
     host_cases = HOST_CASES if host_overhead else ()
     impls = _implementations(spec, target.name, compare)
     result = {
@@ -115,9 +146,9 @@ def _run_case(spec, target, impls, case, seed, is_host_case, copy_gbps):
     return records
 
 
-def _cases(target_name, shapes, dtypes):
-    """The (M, N, dtype) cases: the target's defaults, or shapes x dtypes."""
-    defaults = CUDA_CASES if target_name == "cuda" else CPU_CASES
+def _cases(target_name, op, shapes, dtypes):
+    """The (M, N, dtype) cases: the target's defaults for the op, or shapes x dtypes."""
+    defaults = (CUDA_CASES if target_name == "cuda" else CPU_CASES)[op]
     if shapes is None and dtypes is None:
         return tuple(defaults)
     if shapes is None:
@@ -256,7 +287,9 @@ def main(argv=None):
         prog="rmsnorm-hip bench",
         description="Device time per call, GB/s and % of the measured copy bandwidth, "
                     "side by side with the peers found installed.")
-    parser.add_argument("--op", default="fwd", choices=sorted(ops.OPS))
+    parser.add_argument("--op", default="fwd", choices=sorted(ops.OPS) + ["all"],
+                        help="fwd (default), bwd, bwd_dres (fused-add backward), fused, quant "
+                             "(SmoothQuant int8), quant_fp8, or all")
     parser.add_argument("--shapes", nargs="+", metavar="MxN",
                         help="MxN, space or comma separated (default: the target's cases)")
     parser.add_argument("--dtypes", nargs="+", metavar="DTYPE",
@@ -283,5 +316,7 @@ def main(argv=None):
                  json_path=args.json_path, plot_path=args.plot_path, compare=args.compare,
                  progress=args.progress, device=args.device, iters=args.iters, flush=args.flush,
                  host_overhead=args.host_overhead, seed=args.seed)
-    ours = [r for r in result["records"] + result["host_overhead"] if r["impl"] == "ours"]
+    runs = result["runs"] if result["op"] == "all" else [result]
+    ours = [r for run_ in runs for r in run_["records"] + run_["host_overhead"]
+            if r["impl"] == "ours"]
     return 0 if ours and all(r["ok"] for r in ours) else 1

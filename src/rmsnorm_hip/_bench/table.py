@@ -154,17 +154,32 @@ def markdown(result):
 
 
 def plot(result, path):
-    """Grouped bars of GB/s per case and implementation, the copy bandwidth as a dashed line."""
+    """Grouped bars of GB/s per case and implementation, the copy bandwidth as a dashed line; one
+    panel per op for an ``all`` result."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    runs = result["runs"] if result["op"] == "all" else [result]
+    widths = [max(4, 1.3 * len(_grid(run["records"])[0])) for run in runs]
+    cols = 1 if len(runs) == 1 else 2
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * max(widths), 4.2 * rows), squeeze=False)
+    for ax, run in zip(axes.flat, runs):
+        _plot_run(ax, run)
+    for ax in list(axes.flat)[len(runs):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_run(ax, result):
     cases, impls, cells = _grid(result["records"])
     impls = [impl for impl in impls if any(cells[case, impl]["ok"] for case in cases
                                            if (case, impl) in cells)]
     width = 0.8 / max(len(impls), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cases)), 4.5))
     for i, impl in enumerate(impls):
         values = [cells[case, impl]["gbps"] if cells.get((case, impl), {}).get("ok") else 0.0
                   for case in cases]  # a failed or missing case is an empty slot
@@ -173,10 +188,7 @@ def plot(result, path):
     ax.axhline(result["copy"]["gbps"], color="black", linestyle="--", linewidth=1,
                label=f"copy {result['copy']['gbps']:.0f} GB/s")
     ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels(["\n".join(_case_label(case)) for case in cases])
+    ax.set_xticklabels(["\n".join(_case_label(case)) for case in cases], fontsize=8)
     ax.set_ylabel("GB/s (minimal bytes)")
     ax.set_title(f"rms_norm {result['op']}, {result['environment'].get('device')}", fontsize=10)
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.legend(fontsize=7, ncol=2)

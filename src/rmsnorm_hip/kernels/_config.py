@@ -106,6 +106,10 @@ BWD_MAX_CACHED_FLOATS = 16       # per array (x, dy, weight, dweight partial) an
 BWD_BLOCKS_PER_SM = 2            # programs per SM for 512-thread rows (BACKWARD.md: P = 2 x SMs)
 BWD_REDUCE_COLUMNS = 32          # dweight reduction block: 32 columns x BWD_REDUCE_GROUPS rows
 BWD_REDUCE_GROUPS = 8
+# 16-bit cached vector rows keep x and dy as the loaded words between the passes (see
+# kernels/rmsnorm_bwd.py).  ptxas 13.5, sm_90, N=4096 bf16 (512 threads): 56 registers instead
+# of 69-77, so 2 blocks per SM instead of 1.
+BWD_PACK_16BIT = True
 
 
 def bwd_row_layout(n, dtype):
@@ -123,12 +127,16 @@ class BwdSpec:
     vector: bool
     recompute_rstd: bool    # rstd from x (rstd=None) instead of the forward's
     dresidual: bool
+    packed: bool = False    # x and dy kept as loaded 16-bit pairs between the passes
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
     layout = bwd_row_layout(n, dtype)
+    packed = (BWD_PACK_16BIT and layout.cached and vector
+              and _dtypes.ITEMSIZE[dtype] == 2)
     return BwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
-                   vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual)
+                   vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
+                   packed=packed)
 
 
 def bwd_programs(spec, m, sm_count, resident_per_sm):

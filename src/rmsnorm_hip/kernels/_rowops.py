@@ -15,10 +15,15 @@ from ._config import CHUNK_BYTES, ceil_div
 
 class ChunkIO:
     """``load(ptr, start, col0, vals, slot)`` / ``store(...)`` of one chunk of ``chunk`` elements
-    of ``dtype`` at ``ptr[start + col0 ...]``, into / from ``vals[slot ...]`` (float32)."""
+    of ``dtype`` at ``ptr[start + col0 ...]``, into / from ``vals[slot ...]`` (float32).
+
+    The vector form also has ``load_words(ptr, start, col0, words, at)``, the chunk's 128-bit
+    load kept as four uint32 words (eight 16-bit elements in four registers), and
+    ``words_to_floats(w0, w1, w2, w3, vals, slot)``, which decodes them exactly as ``load`` does."""
 
     def __init__(self, intr, dtype, chunk, n, vector):
-        self.load, self.store = _make_chunk_io(intr, dtype, chunk, n, vector)
+        self.load, self.store, self.load_words, self.words_to_floats = _make_chunk_io(
+            intr, dtype, chunk, n, vector)
 
 
 def codec(intr, dtype):
@@ -68,7 +73,16 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
     def pair(vals, at):
         return pack2(vals[at], vals[at + 1])
 
+    load_words = None
     if vector:
+        @jitable
+        def load_words(ptr, start, col0, words, at):
+            w0, w1, w2, w3 = load_b128(ptr, start + col0)
+            words[at] = w0
+            words[at + 1] = w1
+            words[at + 2] = w2
+            words[at + 3] = w3
+
         @jitable
         def load(ptr, start, col0, vals, slot):
             for a in range(n_vec):
@@ -104,7 +118,7 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
                     else:
                         ptr[start + col0 + e] = vals[slot + e]
 
-    return load, store
+    return load, store, load_words, words_to_floats
 
 
 def make_chunk_dot(intr, chunk):

@@ -16,7 +16,7 @@ sum(x * wdy), exactly as the forward reduces it.
 """
 import math
 
-from numba import float32, int64, types
+from numba import float32, int32, int64, types, uint32
 
 from .. import _dtypes
 from ._config import BWD_REDUCE_COLUMNS, BWD_REDUCE_GROUPS, BwdSpec
@@ -47,6 +47,15 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
     load, store, load_w = io.load, io.store, w_io.load
+    load_words, words_to_floats = io.load_words, io.words_to_floats
+    # packed (16-bit rows on the cached vector path): x and dy stay between the passes as the
+    # loaded words (4 registers per chunk instead of 8 floats), re-decoded in pass 2; with the
+    # weight and the dweight partial that is 24 registers of row state per thread, which lets
+    # two 512-thread blocks share an SM (research/numba-probe/BACKWARD.md: 95% of copy at
+    # 32768x4096 with 2 blocks per SM, 76% with 1).  The float32 operations are the same either
+    # way: packed and unpacked rows give the same bits.
+    packed = spec.packed
+    words = per_thread * 4 if packed else 1
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     row_sum, warps_per_row = make_row_sum(intr, threads)
@@ -81,13 +90,20 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         program = int64(gpu.blockIdx.x)
         programs = int64(gpu.gridDim.x)
         red = gpu.shared.array((2, rows, warps_per_row), float32)
-        xv = gpu.local.array(span, float32)
-        dv = gpu.local.array(span, float32)
+        xv = gpu.local.array(chunk if packed else span, float32)
+        dv = gpu.local.array(chunk if packed else span, float32)
         wv = gpu.local.array(span, float32)    # weight: loaded once per program when cached
         acc = gpu.local.array(span, float32)   # dweight partial (cached layouts)
         wdy = gpu.local.array(chunk, float32)
         out = gpu.local.array(chunk, float32)
         rv = gpu.local.array(chunk, float32)   # dresidual
+        xw = gpu.local.array(words, uint32)    # packed x and dy (see ``packed``)
+        dw = gpu.local.array(words, uint32)
+        xt = gpu.local.array(chunk, float32)   # one decoded chunk of packed x / dy
+        dt = gpu.local.array(chunk, float32)
+        # a zero the compiler cannot prove: pass 2 decodes the packed words XORed with it, so no
+        # decoded value or product of pass 1 is kept live across the row reduction's barrier
+        zero = gpu.shared.array(2, int32)
         ws_start = (program * rows + ty) * n
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
@@ -117,6 +133,23 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             for k in range(trips):
                 col0 = (tx + k * threads) * chunk
                 slot = k * chunk if cached else 0
+                if packed:
+                    if live and col0 < n:
+                        load_words(x, x_start, col0, xw, k * 4)
+                        load_words(dy, dy_start, col0, dw, k * 4)
+                    else:
+                        for e in range(4):
+                            xw[k * 4 + e] = uint32(0)
+                            dw[k * 4 + e] = uint32(0)
+                    words_to_floats(xw[k * 4], xw[k * 4 + 1], xw[k * 4 + 2], xw[k * 4 + 3],
+                                    xt, 0)
+                    words_to_floats(dw[k * 4], dw[k * 4 + 1], dw[k * 4 + 2], dw[k * 4 + 3],
+                                    dt, 0)
+                    weighted(dt, wv, 0, slot, weight_offset, wdy)
+                    s += chunk_dot(xt, 0, wdy, 0)
+                    if recompute:
+                        ss += chunk_sumsq(xt, 0)
+                    continue
                 load_or_zero(x, x_start, col0, live, xv, slot)
                 load_or_zero(dy, dy_start, col0, live, dv, slot)
                 if has_weight and not cached:
@@ -125,6 +158,10 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 s += chunk_dot(xv, slot, wdy, 0)
                 if recompute:
                     ss += chunk_sumsq(xv, slot)
+            # slot by row parity: the next store to it comes after the next row's barrier,
+            # which every reader of this one passes only after reading
+            if packed and tx == 0 and ty == 0:
+                zero[it & 1] = int32(m >> 62)
             if recompute:
                 ss = row_sum(ss, red, parity, ty, tx)
                 parity ^= 1
@@ -137,27 +174,34 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             # pass 2: dx, and the dweight partial dy * x_hat
             if live:
                 dx_start = row * dx_stride
+                z = uint32(zero[it & 1]) if packed else uint32(0)
                 for k in range(trips):
                     col0 = (tx + k * threads) * chunk
                     if col0 < n:
                         slot = k * chunk if cached else 0
-                        if not cached:
+                        if packed:
+                            words_to_floats(xw[k * 4] ^ z, xw[k * 4 + 1] ^ z, xw[k * 4 + 2] ^ z,
+                                            xw[k * 4 + 3] ^ z, xv, 0)
+                            words_to_floats(dw[k * 4] ^ z, dw[k * 4 + 1] ^ z, dw[k * 4 + 2] ^ z,
+                                            dw[k * 4 + 3] ^ z, dv, 0)
+                        elif not cached:
                             load(x, x_start, col0, xv, 0)
                             load(dy, dy_start, col0, dv, 0)
                             if has_weight:
                                 load_w(weight, 0, col0, wv, 0)
                         if has_dres:
                             load(dres, row * dres_stride, col0, rv, 0)
-                        weighted(dv, wv, slot, slot, weight_offset, wdy)
+                        vslot = 0 if packed else slot     # where this chunk's x / dy floats are
+                        weighted(dv, wv, vslot, slot, weight_offset, wdy)
                         for e in range(chunk):
-                            x_hat = xv[slot + e] * r
+                            x_hat = xv[vslot + e] * r
                             g = (wdy[e] - x_hat * c1) * r
                             if has_dres:
                                 g = g + rv[e]
                             out[e] = g
                             if has_weight:
                                 if cached:
-                                    acc[slot + e] += dv[slot + e] * x_hat
+                                    acc[slot + e] += dv[vslot + e] * x_hat
                                 elif col0 + e < n:
                                     ws[ws_start + col0 + e] += dv[e] * x_hat
                         store(dx, dx_start, col0, out, 0)

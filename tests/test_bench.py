@@ -1,0 +1,68 @@
+"""The benchmark harness on the CPU target: every op checks ours and the NumPy peer against its
+float64 reference before timing, records GB/s from the op's byte formula, writes the JSON the
+README table is built from, and a wrong implementation is recorded as failed, not timed."""
+import json
+import os
+import sys
+
+import pytest
+
+from rmsnorm_hip._bench import ops, runner, table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def all_result(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "all.json"
+    result = runner.run(op="all", device="cpu", shapes=["33x256"], dtypes=["bf16", "fp32"],
+                        json_path=str(path), progress=False, host_overhead=False,
+                        print_table=False)
+    return result, path
+
+
+def test_every_op_runs_and_passes_its_check(all_result):
+    result, path = all_result
+    assert [run["op"] for run in result["runs"]] == list(ops.ALL)
+    for run in result["runs"]:
+        spec = ops.OPS[run["op"]]
+        assert {(r["impl"], r["dtype"]) for r in run["records"]} == {
+            (impl, dtype) for impl in ("ours", "numpy") for dtype in ("bfloat16", "float32")}
+        for record in run["records"]:
+            assert record["ok"], (run["op"], record)
+            assert 0 <= record["rel_err"] < spec.tolerance[record["dtype"]]
+            e = 2 if record["dtype"] == "bfloat16" else 4
+            assert record["bytes"] == spec.bytes_moved(33, 256, e)
+            assert record["gbps"] == pytest.approx(record["bytes"] / record["us"] / 1e3)
+    saved = json.loads(path.read_text())
+    assert saved["op"] == "all" and len(saved["runs"]) == len(ops.ALL)
+
+
+def test_make_table_reads_an_all_run(all_result):
+    _, path = all_result
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import make_table
+    finally:
+        sys.path.pop(0)
+    runs = make_table.newest_per_op([str(path)])
+    assert sorted(runs) == sorted(ops.ALL)
+    text = table.markdown(runs["bwd"][1])
+    assert "33x256" in text and "3*M*N*e + 2*N*e" in text
+
+
+@pytest.mark.parametrize("op", ops.ALL)
+def test_a_wrong_output_fails_the_check(op):
+    """Each op's reference tells a correct output from a slightly wrong one."""
+    from rmsnorm_hip._bench import targets
+    target = targets.make_target("cpu")
+    spec = ops.OPS[op]
+    args = spec.make_inputs(target, 17, 128, "float32", 0)
+    reference = spec.reference(target, *args)
+    impl = spec.peers["cpu"]["numpy"]()
+    good = impl(*args)
+    assert spec.passes("float32", spec.max_rel_err(target, good, reference))
+    outputs = good if isinstance(good, tuple) else (good,)
+    wrong = tuple(o.astype("float32") * 1.1 if i == 0 else o for i, o in enumerate(outputs))
+    wrong = wrong if isinstance(good, tuple) else wrong[0]
+    assert not spec.passes("float32", spec.max_rel_err(target, wrong, reference))

@@ -1,0 +1,133 @@
+"""The GPU tier for rms_norm_backward (mark ``device``): dx and dweight against the float64
+reference on every kernel path (multi-row, one row per block, looped), NaN-poisoned outputs and
+workspaces, dweight bitwise from run to run, dx rows bitwise whatever M, stride or alignment.
+
+    NUMBA_ENABLE_CUDASIM=0 python -m pytest -m device tests/test_device_backward.py
+"""
+import os
+
+import numpy as np
+import pytest
+
+from conftest import DTYPES, assert_dweight, assert_dx
+
+pytestmark = pytest.mark.device
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    pytest.skip("the simulator is on in this process (set NUMBA_ENABLE_CUDASIM=0 for the GPU tier)",
+                allow_module_level=True)
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+import rmsnorm_hip  # noqa: E402
+from rmsnorm_hip import _arrays, reference  # noqa: E402
+from test_device import SHAPES, TORCH, host, inputs, misaligned_copy, raw  # noqa: E402
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output and workspace the library allocates starts as NaN bytes (0xFF)."""
+    real = _arrays.empty
+
+    def empty(like, shape, dtype):
+        out, info = real(like, shape, dtype)
+        t = out if isinstance(out, torch.Tensor) else torch.from_dlpack(out)
+        if t.numel():
+            t.view(torch.uint8).fill_(0xFF)
+        return out, info
+    monkeypatch.setattr(_arrays, "empty", empty)
+
+
+@pytest.mark.parametrize("m,n", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight", ["same", None, "float32"])
+@pytest.mark.parametrize("given_rstd", [True, False], ids=["rstd", "recompute"])
+def test_backward_contract_and_invariance(poisoned, m, n, dtype, weight, given_rstd):
+    if weight == "float32" and dtype == "float32":
+        pytest.skip("float32 x takes a float32 weight already")
+    wdtype = {"same": dtype, None: None, "float32": "float32"}[weight]
+    _, x, w = inputs(m, n, dtype, wdtype)
+    dy = torch.randn(m, n + 40, device="cuda", dtype=TORCH[dtype])[:, 32:32 + n]
+    rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
+    dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w, rstd if given_rstd else None)
+    ref_dx, ref_dw = reference.rms_norm_backward_ref(host(dy), host(x), None if w is None else
+                                                     host(w), rstd.cpu().numpy())
+    assert dx.shape == x.shape and dx.dtype == x.dtype
+    assert_dx(host(dx), host(dy), host(x), None if w is None else host(w), rstd.cpu().numpy(),
+              ref_dx, dtype)
+    if w is None:
+        assert dw is None
+        return
+    assert dw.dtype == w.dtype and dw.shape == (n,)
+    assert_dweight(host(dw), ref_dw, wdtype)
+    for _ in range(2):   # deterministic: bitwise from run to run
+        dx2, dw2 = rmsnorm_hip.rms_norm_backward(dy, x, w, rstd if given_rstd else None)
+        assert torch.equal(raw(dx2), raw(dx)) and torch.equal(raw(dw2), raw(dw))
+    # dx rows: bitwise the same on the scalar path (misaligned copy) and for rows alone
+    xu = misaligned_copy(x)
+    dxu = rmsnorm_hip.rms_norm_backward(dy, xu, w, rstd if given_rstd else None)[0]
+    assert torch.equal(raw(dxu), raw(dx))
+    rows = sorted({0, m // 2, m - 1})
+    alone = [rmsnorm_hip.rms_norm_backward(dy[i:i + 1], x[i:i + 1], w,
+                                           rstd[i:i + 1] if given_rstd else None)[0] for i in rows]
+    assert torch.equal(raw(torch.cat(alone)), raw(dx[rows]))
+
+
+@pytest.mark.parametrize("m,n", [(7, 4096), (333, 127), (3, 65537)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_dresidual_and_offset(poisoned, m, n, dtype):
+    _, x, w = inputs(m, n, dtype, dtype)
+    w = w - 1.0            # Gemma: (1 + w) with weight_offset=1
+    dy = torch.randn(m, n, device="cuda", dtype=TORCH[dtype])
+    dres = torch.randn(m, n + 8, device="cuda", dtype=TORCH[dtype])[:, 8:]
+    rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, weight_offset=1.0, return_rstd=True)[1]
+    dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, weight_offset=1.0, dresidual=dres)
+    ref_dx, ref_dw = reference.rms_norm_backward_ref(host(dy), host(x), host(w),
+                                                     rstd.cpu().numpy(), weight_offset=1.0,
+                                                     dresidual=host(dres))
+    assert_dx(host(dx), host(dy), host(x), host(w), rstd.cpu().numpy(), ref_dx, dtype, 1.0)
+    assert_dweight(host(dw), ref_dw, dtype)
+
+
+def test_dweight_accuracy_many_rows():
+    """float32 accumulation over 65536 rows: relative error < 1e-4 (issue 4)."""
+    x = torch.randn(65536, 1024, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = (1 + 0.1 * torch.randn(1024, device="cuda")).float()
+    dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w)
+    xh = x.double()
+    rstd = torch.rsqrt((xh * xh).mean(-1, keepdim=True) + 1e-6)
+    ref = (dy.double() * xh * rstd).sum(0)
+    rel = (torch.linalg.vector_norm(dw.double() - ref) / torch.linalg.vector_norm(ref)).item()
+    assert rel < 1e-4, rel
+
+
+def test_backward_on_a_side_stream_and_leading_dims():
+    x = torch.randn(4, 6, 2048, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
+    expected = rmsnorm_hip.rms_norm_backward(dy, x, w)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        got = rmsnorm_hip.rms_norm_backward(dy, x, w)
+    stream.synchronize()
+    assert got[0].shape == x.shape
+    assert torch.equal(raw(got[0]), raw(expected[0])) and torch.equal(raw(got[1]), raw(expected[1]))
+
+
+def test_backward_cupy_bfloat16_as_uint16():
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(1)
+    import ml_dtypes
+    x = rng.standard_normal((9, 4096)).astype(ml_dtypes.bfloat16)
+    dy = rng.standard_normal((9, 4096)).astype(ml_dtypes.bfloat16)
+    w = (1 + 0.1 * rng.standard_normal(4096)).astype(np.float32)
+    dx, dw = rmsnorm_hip.rms_norm_backward(cupy.asarray(dy.view(np.uint16)),
+                                           cupy.asarray(x.view(np.uint16)), cupy.asarray(w),
+                                           dtype="bfloat16")
+    assert isinstance(dx, cupy.ndarray) and dx.dtype == np.uint16
+    ref_dx, ref_dw = reference.rms_norm_backward_ref(dy, x, w, None)
+    rstd = reference.rms_norm_ref(x, None, 1e-6)[1]
+    assert_dx(dx.get().view(ml_dtypes.bfloat16), dy, x, w, rstd, ref_dx, "bfloat16")
+    assert_dweight(dw.get(), ref_dw, "float32")
