@@ -1,0 +1,69 @@
+"""Backward tuning sweep on a GPU: device time per call of rms_norm_backward (CUPTI, 256 MB write
+flush before each call, as the benchmark measures it) under candidate settings of
+kernels/_config.py, patched here.  Prints one JSON line per (shape, setting) and writes them to
+--out (default $OUT or .)/tune_bwd.json.
+
+    PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings packed,unpacked,blocks1]
+"""
+import argparse
+import json
+import os
+
+SHAPES = [(32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192)]
+# name -> {_config attribute: value}
+SETTINGS = {
+    "packed": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 2},
+    "unpacked": {"BWD_PACK_16BIT": False, "BWD_BLOCKS_PER_SM": 2},
+    "packed_blocks1": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 1},
+    "packed_blocks3": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 3},
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--dres", action="store_true", help="time the dresidual form")
+    args = ap.parse_args()
+
+    import torch
+
+    import rmsnorm_hip
+    from rmsnorm_hip._bench import timing
+    from rmsnorm_hip.kernels import _config
+
+    copy = timing.cuda_copy_bandwidth()["gbps"]
+    flush = timing.L2Flush("write")
+    rows = []
+    for m, n in SHAPES:
+        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        dres = torch.randn_like(x) if args.dres else None
+        w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
+        rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
+        nbytes = (4 if args.dres else 3) * m * n * 2 + 2 * n * 2
+        reference = None
+        for name in args.settings.split(","):
+            for attr, value in SETTINGS[name].items():
+                setattr(_config, attr, value)
+            call = lambda: rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dres)  # noqa
+            out = call()
+            if reference is None:
+                reference = out
+            same = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                       for a, b in zip(out, reference))
+            timing_ = timing.cuda_device_time(call, flush)
+            row = dict(m=m, n=n, setting=name, us=timing_["us"], kernels=timing_.get("kernels"),
+                       GBps=nbytes / timing_["us"] / 1e3, same_bits_as_first=bool(same))
+            row["pct_copy"] = 100 * row["GBps"] / copy
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del x, dy, dres
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune_bwd.json"), "w") as f:
+        json.dump(dict(copy_gbps=copy, dres=args.dres, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
