@@ -148,10 +148,12 @@ def amd_records(variant, archs, intr, keep_dir=None):
 def cuda_records(variant, archs, intr, keep_dir=None):
     """{arch: record} of one variant compiled to PTX for every ``sm_XY`` in ``archs``."""
     from .backends.cuda import compile_ptx
+    from .kernels import _config
 
     records = {}
     for arch in archs:
-        ptx, _ = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, _cuda_cc(arch))
+        ptx, _ = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, _cuda_cc(arch),
+                             _config.block_threads(variant.spec))
         records[arch] = record = _describe(variant)
         record.update(
             arch=arch,

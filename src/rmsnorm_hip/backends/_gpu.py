@@ -25,7 +25,8 @@ class GpuBackend:
         """The compiled kernel of ``builder(intrinsics, spec)``, cached by (backend, spec)."""
         key = self.cache_key + (builder.__name__, spec)
         return _cache.get(key, lambda: self.compile(builder(self.intrinsics, spec), argtypes,
-                                                    builder.__name__))
+                                                    builder.__name__,
+                                                    _config.block_threads(spec)))
 
     def stream_for(self, info):
         return _arrays.current_stream(info)

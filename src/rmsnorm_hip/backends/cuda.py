@@ -36,12 +36,18 @@ def _targeting(cc):
             dispatcher.get_current_device = original
 
 
-def compile_ptx(pyfunc, argtypes, cc):
-    """(ptx text, entry name) of a kernel for compute capability ``cc``, no GPU needed."""
+def compile_ptx(pyfunc, argtypes, cc, max_threads=None):
+    """(ptx text, entry name) of a kernel for compute capability ``cc``, no GPU needed.
+    ``max_threads``: the block size it is launched with, declared as ``.maxntid`` (CUDA's
+    __launch_bounds__) so ptxas keeps registers within what such a block may use: without it a
+    1024-thread block of a kernel given more than 64 registers fails to launch."""
     from numba import cuda
     with _targeting(cc):
         ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=cc)
-    return ptx, re.search(r"\.entry\s+([\w$]+)\s*\(", ptx).group(1)
+    entry = re.search(r"\.entry\s+([\w$]+)\s*\([^()]*\)\s*\{", ptx)
+    if max_threads:
+        ptx = f"{ptx[:entry.end() - 1]}.maxntid {int(max_threads)}, 1, 1\n{ptx[entry.end() - 1:]}"
+    return ptx, entry.group(1)
 
 
 def _check(result, what):
@@ -120,8 +126,8 @@ class CudaBackend(GpuBackend):
         finally:
             _check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
-    def compile(self, pyfunc, argtypes, name):
-        ptx, entry = compile_ptx(pyfunc, argtypes, self.cc)
+    def compile(self, pyfunc, argtypes, name, max_threads=None):
+        ptx, entry = compile_ptx(pyfunc, argtypes, self.cc, max_threads)
         with self.current():
             module = self._load_ptx(ptx)
             function = _check(self._driver.cuModuleGetFunction(module, entry.encode()),

@@ -139,6 +139,14 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
                    packed=packed)
 
 
+def block_threads(spec):
+    """Threads per block a kernel of ``spec`` is launched with (a forward / backward spec, or
+    the dweight reduction's weight dtype)."""
+    if isinstance(spec, str):
+        return BWD_REDUCE_COLUMNS * BWD_REDUCE_GROUPS
+    return spec.layout.threads * spec.rows
+
+
 def bwd_programs(spec, m, sm_count, resident_per_sm):
     """Programs of the persistent backward grid: the blocks the device holds at once (at most
     BWD_BLOCKS_PER_SM per SM), and no more than there are blocks of rows."""
