@@ -281,3 +281,287 @@ def test_row_strided_dy_gives_the_contiguous_gradients():
     rt.rms_norm(x2, w2).backward(dy.contiguous())
     assert_bitwise(bits(x.grad), bits(x2.grad), "dx")
     assert_bitwise(bits(w.grad), bits(w2.grad), "dweight")
+
+
+# ---- quantised forward ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quant", ["int8", torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_quant_matches_functional_and_carries_no_gradient(quant, with_residual):
+    x = leaf(randn((5, 128), "bfloat16", 1))
+    w = leaf(randn((128,), "bfloat16", 2, loc=1.0, scale=0.1))
+    xs = 0.5 + torch.rand(128, generator=gen(3))
+    r = randn((5, 128), "bfloat16", 4) if with_residual else None
+    got = rt.rms_norm_quant(x, w, 1e-6, xscale=xs, residual=r, quant_dtype=quant)
+    expected = rmsnorm_hip.rms_norm_quant(x.detach(), w.detach(), 1e-6, xscale=xs, residual=r,
+                                          quant_dtype=quant)
+    assert len(got) == (3 if with_residual else 2)
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and not a.requires_grad
+        assert_bitwise(bits(a), bits(b), "quant output")
+
+
+# ---- the RMSNorm module against torch.nn.RMSNorm ----------------------------------------------------
+
+def test_module_is_a_drop_in_for_torch_nn_rmsnorm():
+    ours, theirs = rt.RMSNorm(64), torch.nn.RMSNorm(64)
+    assert isinstance(ours, torch.nn.RMSNorm)
+    assert repr(ours) == repr(theirs) == "RMSNorm((64,), eps=None, elementwise_affine=True)"
+    assert ours.normalized_shape == (64,) and ours.eps is None and ours.elementwise_affine
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == ["weight"]
+    assert torch.equal(ours.weight, theirs.weight)
+    bare = rt.RMSNorm([4, 16], eps=1e-5, elementwise_affine=False)
+    assert repr(bare) == repr(torch.nn.RMSNorm([4, 16], 1e-5, False))
+    assert bare.weight is None and list(bare.state_dict()) == []
+    gemma = rt.RMSNorm(8, weight_offset=1.0, dtype=torch.bfloat16)
+    assert repr(gemma) == "RMSNorm((8,), eps=None, elementwise_affine=True, weight_offset=1.0)"
+    assert gemma.weight.dtype == torch.bfloat16 and torch.equal(gemma.weight, torch.zeros(8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("normalized_shape", [(96,), (4, 24)], ids=str)
+def test_state_dict_round_trip_with_torch_nn_rmsnorm(dtype, normalized_shape):
+    theirs = torch.nn.RMSNorm(normalized_shape, eps=1e-5, dtype=TORCH[dtype])
+    with torch.no_grad():
+        theirs.weight.copy_(randn(normalized_shape, dtype, 1, loc=1.0, scale=0.2))
+    ours = rt.RMSNorm(normalized_shape, eps=1e-5, dtype=TORCH[dtype])
+    ours.load_state_dict(theirs.state_dict())              # torch -> ours
+    x = randn((3, 5) + normalized_shape, dtype, 2)
+    y = ours(x)
+    n = math.prod(normalized_shape)
+    y_ref = reference.rms_norm_ref(x.reshape(15, n), ours.weight.reshape(n), 1e-5)[0]
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y.detach().float().reshape(15, n).numpy(), y_ref, dtype)
+    # torch's own module agrees with the same float64 reference (it rounds twice for 16-bit)
+    y_theirs = theirs(x).detach().double().reshape(15, n).numpy()
+    loose = 1e-5 if dtype == FLOAT32 else 2e-2
+    assert np.linalg.norm(y_theirs - y_ref) / np.linalg.norm(y_ref) < loose
+    back = torch.nn.RMSNorm(normalized_shape, eps=1e-5, dtype=TORCH[dtype])
+    back.load_state_dict(ours.state_dict())                # ours -> torch
+    assert_bitwise(bits(back(x)), bits(theirs(x)), "torch module after the round trip")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eps_none_is_float32_epsilon_as_in_torch(dtype):
+    # rows of size ~1e-3 * 1e-2: mean(x^2) ~ 1e-10 << float32 eps (1.2e-7) << 16-bit eps, so each
+    # choice of eps gives a different output
+    x = randn((4, 64), dtype, 1, scale=1e-4)
+    eps_dtype = torch.finfo(TORCH[dtype]).eps
+    # torch: eps=None means float32's epsilon for float32, float16 and bfloat16
+    y_torch = F.rms_norm(x, (64,), None, None)
+    assert torch.equal(y_torch, F.rms_norm(x, (64,), None, F32_EPS))
+    if dtype != FLOAT32:
+        assert not torch.equal(y_torch, F.rms_norm(x, (64,), None, eps_dtype))
+    ours = rt.RMSNorm(64, dtype=TORCH[dtype])
+    assert ours.eps is None
+    y = ours(x)
+    assert_bitwise(bits(y), bits(rt.RMSNorm(64, eps=F32_EPS, dtype=TORCH[dtype])(x)), "eps=None")
+    assert_close(y.detach().float().numpy(),
+                 reference.rms_norm_ref(x, ours.weight, F32_EPS)[0], dtype)
+    if dtype != FLOAT32:
+        with pytest.raises(AssertionError):
+            assert_close(y.detach().float().numpy(),
+                         reference.rms_norm_ref(x, ours.weight, eps_dtype)[0], dtype)
+
+
+def test_normalized_shape_tuple_gradients():
+    norm = rt.RMSNorm((4, 24), eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(randn((4, 24), "float32", 1, loc=1.0, scale=0.2))
+    x = leaf(randn((2, 3, 4, 24), "float32", 2))
+    dy = randn((2, 3, 4, 24), "float32", 3)
+    y = norm(x)
+    y.backward(dy)
+    assert y.shape == x.shape and norm.weight.grad.shape == (4, 24)
+    ref = torch_reference(x.reshape(6, 96), norm.weight.reshape(96), 1e-6, 0.0, dy.reshape(6, 96))
+    check_grads(y.reshape(6, 96), x.grad.reshape(6, 96), norm.weight.grad.reshape(96),
+                x.detach().reshape(6, 96), norm.weight.detach().reshape(96), dy.reshape(6, 96),
+                1e-6, 0.0, ref, FLOAT32, FLOAT32)
+
+
+def test_weight_offset_module_starts_as_the_identity_scale():
+    x = randn((3, 128), "bfloat16", 1)
+    gemma = rt.RMSNorm(128, eps=1e-6, weight_offset=1.0, dtype=torch.bfloat16)
+    assert_bitwise(bits(gemma(x)), bits(rt.rms_norm(x, None, 1e-6)), "1 - offset + offset")
+    with torch.no_grad():
+        gemma.weight.copy_(randn((128,), "bfloat16", 2, scale=0.1))
+    assert_close(gemma(x).detach().float().numpy(),
+                 reference.rms_norm_ref(x, gemma.weight, 1e-6, weight_offset=1.0)[0], "bfloat16")
+    gemma.reset_parameters()
+    assert torch.equal(gemma.weight, torch.zeros(128, dtype=torch.bfloat16))
+
+
+# ---- replace_rmsnorm ---------------------------------------------------------------------------------
+
+class Block(torch.nn.Module):
+    def __init__(self, d, shared_norm=None):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(d, eps=1e-5)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * d, d))
+        self.shared = shared_norm
+
+    def forward(self, x):
+        h = x + self.mlp(self.norm(x))
+        return self.shared(h) if self.shared is not None else h
+
+
+def small_model(d=64):
+    torch.manual_seed(0)
+    final = torch.nn.RMSNorm(d)                     # eps=None
+    return torch.nn.Sequential(Block(d), Block(d, final), torch.nn.ModuleList([final]),
+                               torch.nn.RMSNorm((4, d // 4), elementwise_affine=False))
+
+
+def test_replace_rmsnorm_swaps_every_norm_keeping_weights():
+    model = small_model()
+    norms = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.RMSNorm)}
+    weights = {name: m.weight for name, m in norms.items()}
+    x = randn((5, 64), "float32", 1)
+    with torch.no_grad():
+        for m in norms.values():
+            if m.weight is not None:
+                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen(2)))
+    model.eval()
+    before = model[1](model[0](x))
+
+    assert rt.replace_rmsnorm(model) is model
+    swapped = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.RMSNorm)}
+    assert swapped.keys() == norms.keys()
+    for name, m in swapped.items():
+        assert type(m) is rt.RMSNorm, name
+        assert m.weight is weights[name], f"{name}: the weight parameter object is kept"
+        assert (m.normalized_shape, m.eps, m.elementwise_affine, m.training) == (
+            norms[name].normalized_shape, norms[name].eps, norms[name].elementwise_affine, False)
+    assert model[1].shared is model[2][0], "a module reached twice stays one module"
+    after = model[1](model[0](x))
+    assert_close(after.detach().numpy(), before.detach().double().numpy(), FLOAT32)
+    after.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert type(rt.replace_rmsnorm(torch.nn.RMSNorm(8))) is rt.RMSNorm
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+
+ERRORS = [
+    # (call, exception, message pattern): functional's messages come through unchanged
+    (lambda: rt.rms_norm(torch.ones(2, 8, dtype=torch.float64)), TypeError,
+     r"rms_norm: x must have dtype float32, float16 or bfloat16, got float64"),
+    (lambda: rt.rms_norm(leaf(torch.ones(2, 8, dtype=torch.float64))), TypeError,
+     r"rms_norm: x must have dtype float32, float16 or bfloat16, got float64"),
+    (lambda: rt.rms_norm(torch.ones(2, 8), torch.ones(7)), ValueError,
+     r"rms_norm: weight must have shape \(8,\), got \(7,\)"),
+    (lambda: rt.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8).half()), TypeError,
+     r"rms_norm: weight must have dtype bfloat16 or float32 for x of dtype bfloat16, got float16"),
+    (lambda: rt.rms_norm(torch.ones(2, 0)), ValueError,
+     r"rms_norm: x must have a non-empty last dimension, got shape \(2, 0\)"),
+    (lambda: rt.rms_norm(torch.ones(2, 8), None, -1.0), ValueError,
+     r"rms_norm: eps must be a finite number >= 0, got -1.0"),
+    (lambda: rt.rms_norm(torch.ones(2, 8), None, 1e-6, 1.0), ValueError,
+     r"rms_norm: weight_offset must be 0.0 when weight is None, got 1.0"),
+    (lambda: rt.rms_norm(np.ones((2, 8), np.float32)), TypeError,
+     r"rms_norm: x must be a torch.Tensor, got numpy.ndarray"),
+    (lambda: rt.fused_add_rms_norm(torch.ones(2, 8), torch.ones(2, 9)), ValueError,
+     r"fused_add_rms_norm: residual must have shape \(2, 8\), got \(2, 9\)"),
+    (lambda: rt.fused_add_rms_norm(leaf(torch.ones(2, 8)), torch.ones(2, 8).half()), TypeError,
+     r"fused_add_rms_norm: residual must have dtype float32, got float16"),
+    (lambda: rt.rms_norm_quant(torch.ones(2, 8), quant_dtype="int4"), ValueError,
+     r"rms_norm_quant: quant_dtype must be 'int8' or 'float8_e4m3fn', got 'int4'"),
+    (lambda: rt.RMSNorm(8)(torch.ones(2, 9)), ValueError,
+     r"RMSNorm: x must have shape \(\.\.\., 8\) \(normalized_shape \(8,\)\), got \(2, 9\)"),
+    (lambda: rt.RMSNorm(8, elementwise_affine=False, weight_offset=1.0), ValueError,
+     r"RMSNorm: weight_offset must be 0.0 with elementwise_affine=False"),
+    (lambda: rt.RMSNorm(()), ValueError, r"RMSNorm: normalized_shape must have at least one"),
+]
+
+
+@pytest.mark.parametrize("call,exc,match", ERRORS, ids=[m[:40] for _, _, m in ERRORS])
+def test_errors_name_argument_expected_and_given(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_empty_batch():
+    x = leaf(torch.ones(0, 3, 16))
+    w = leaf(torch.ones(16))
+    y = rt.rms_norm(x, w)
+    y.backward(torch.ones_like(y))
+    assert y.shape == (0, 3, 16) and x.grad.shape == (0, 3, 16)
+    assert torch.equal(w.grad, torch.zeros(16)), "M = 0: dweight is N zeros"
+
+
+# ---- torch.library.opcheck for every custom op ----------------------------------------------------
+
+def opcheck_cases():
+    x = randn((3, 5, 32), "bfloat16", 1)
+    r = randn((3, 5, 32), "bfloat16", 2)
+    w = randn((32,), "float32", 3, loc=1.0, scale=0.1)
+    dy = randn((3, 5, 32), "bfloat16", 4)
+    rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
+    xs = 0.5 + torch.rand(32, generator=gen(5))
+    ops = torch.ops.rmsnorm_hip
+    return [
+        ("rms_norm", ops.rms_norm, (leaf(x), leaf(w), 1e-6, 0.5)),
+        ("rms_norm-noweight", ops.rms_norm, (leaf(x), None, 1e-6, 0.0)),
+        ("rms_norm_fwd", ops.rms_norm_fwd, (leaf(x), leaf(w), 1e-6, 0.0)),
+        ("rms_norm_fwd-f32", ops.rms_norm_fwd, (leaf(x.float()), None, 1e-6, 0.0)),
+        ("fused_add_rms_norm", ops.fused_add_rms_norm, (leaf(x), leaf(r), leaf(w), 1e-6, 0.0)),
+        ("fused_add_rms_norm_fwd", ops.fused_add_rms_norm_fwd,
+         (leaf(x), leaf(r), leaf(w), 1e-6, 1.0)),
+        ("fused_add_rms_norm_fwd-noweight", ops.fused_add_rms_norm_fwd,
+         (leaf(x), leaf(r), None, 1e-6, 0.0)),
+        ("rms_norm_backward", ops.rms_norm_backward, (dy, x, w, rstd, r, 1e-6, 0.0)),
+        ("rms_norm_backward-recompute", ops.rms_norm_backward, (dy, x, None, None, None, 1e-6, 0.0)),
+        ("rms_norm_quant", ops.rms_norm_quant, (x, w, 1e-6, xs, None, "int8", 0.0)),
+        ("rms_norm_quant-fp8-residual", ops.rms_norm_quant,
+         (x, None, 1e-6, None, r, "float8_e4m3fn", 0.0)),
+    ]
+
+
+@pytest.mark.parametrize("case", opcheck_cases(), ids=lambda c: c[0])
+def test_opcheck(case):
+    _, op, args = case
+    torch.library.opcheck(op, args)
+
+
+# ---- torch.compile: one graph, no recompilation over batch sizes ---------------------------------
+
+class TinyBlock(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm1 = rt.RMSNorm(d)
+        self.norm2 = rt.RMSNorm(d, weight_offset=1.0)
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, x, residual):
+        y, residual = rt.fused_add_rms_norm(x, residual, self.norm1.weight, 1e-6)
+        return self.norm2(self.proj(y)) + residual
+
+
+def test_compile_fullgraph_dynamic_batch_bitwise_eager():
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = TinyBlock(64)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    for m in (3, 5, 8):
+        x, r = leaf(randn((m, 64), "float32", m)), leaf(randn((m, 64), "float32", m + 1))
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(r, 0)
+        out = compiled(x, r)
+        out.sum().backward()
+        grads = [p.grad for p in block.parameters()]
+        block.zero_grad(set_to_none=True)
+        x2, r2 = leaf(x), leaf(r)
+        eager = block(x2, r2)
+        eager.sum().backward()
+        assert_bitwise(bits(out), bits(eager), f"M={m} compiled vs eager output")
+        for a, b, what in zip((x.grad, r.grad, *grads),
+                              (x2.grad, r2.grad, *(p.grad for p in block.parameters())),
+                              ("dx", "dresidual", "dweight1", "dweight2", "dW", "db")):
+            assert_bitwise(bits(a), bits(b), f"M={m} {what} compiled vs eager")
+        block.zero_grad(set_to_none=True)
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times over 3 batch sizes"
+    explain = torch._dynamo.explain(block)(x, r)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1

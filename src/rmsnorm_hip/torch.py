@@ -262,6 +262,15 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _scalars(fn, eps, weight_offset, has_weight):
+    """eps and weight_offset for the ops' float arguments: checked here (functional's messages)
+    in eager mode; under torch.compile passed on as traced, and checked by functional when the
+    compiled graph runs."""
+    if torch.compiler.is_compiling():
+        return eps, weight_offset
+    return _validate.eps(eps, fn), _validate.weight_offset(weight_offset, has_weight, fn)
+
+
 def _direct(x):
     """Whether a call may skip the dispatcher: eager mode and a plain tensor with storage.  Under
     torch.compile, and for meta / fake tensors and tensor subclasses, the custom ops run."""
@@ -280,13 +289,12 @@ def rms_norm(x, weight=None, eps=1e-6, weight_offset=0.0):
     """
     fn = "rms_norm"
     _check_tensors(fn, x=x, weight=weight)
-    eps = _validate.eps(eps, fn)
-    weight_offset = _validate.weight_offset(weight_offset, weight is not None, fn)
     grad = _needs_grad(x, weight)
-    if _direct(x):
+    if _direct(x):                  # functional validates eps and weight_offset
         if grad:
             return _RMSNormFunction.apply(x, weight, eps, weight_offset)
         return _forward(x, weight, eps, weight_offset, False)
+    eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
     if grad:
         return _ops.rms_norm_fwd.default(x, weight, eps, weight_offset)[0]
     return _ops.rms_norm.default(x, weight, eps, weight_offset)
@@ -302,13 +310,12 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, weight_offset=0.0):
     """
     fn = "fused_add_rms_norm"
     _check_tensors(fn, x=x, residual=residual, weight=weight)
-    eps = _validate.eps(eps, fn)
-    weight_offset = _validate.weight_offset(weight_offset, weight is not None, fn)
     grad = _needs_grad(x, residual, weight)
     if _direct(x):
         if grad:
             return _FusedFunction.apply(x, residual, weight, eps, weight_offset)
         return _fused(x, residual, weight, eps, weight_offset, False)
+    eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
     if grad:
         return _ops.fused_add_rms_norm_fwd.default(x, residual, weight, eps, weight_offset)[:2]
     return _ops.fused_add_rms_norm.default(x, residual, weight, eps, weight_offset)
@@ -322,8 +329,7 @@ def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quan
     fn = "rms_norm_quant"
     _check_tensors(fn, x=x, weight=weight, xscale=xscale, residual=residual)
     quant_dtype = _validate.quant_dtype(quant_dtype, fn)
-    eps = _validate.eps(eps, fn)
-    weight_offset = _validate.weight_offset(weight_offset, weight is not None, fn)
+    eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
     return tuple(_ops.rms_norm_quant.default(x, weight, eps, xscale, residual, quant_dtype,
                                              weight_offset))
 
