@@ -60,7 +60,7 @@ def swapped_block(d=256, heads=4, dtype=torch.float32, seed=0):
     return rt.replace_rmsnorm(Block(d, heads)).to("cuda", dtype)
 
 
-# ---- the adapter on the GPU against float64 -------------------------------------------------------
+# ---- the adapter on the GPU against float64 ------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("path", ["eager", "ops"])
@@ -86,7 +86,7 @@ def test_grads_against_float64(dtype, path):
     assert_dweight(w.grad.cpu(), host64(w64.grad), name)
 
 
-# ---- torch.compile ---------------------------------------------------------------------------------
+# ---- torch.compile -------------------------------------------------------------------------------
 
 def test_compile_fullgraph_no_graph_break_no_recompile():
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -140,7 +140,7 @@ def test_compile_fused_add_and_quant_fullgraph():
     assert counter.frame_count == 1
 
 
-# ---- CUDA graphs -------------------------------------------------------------------------------------
+# ---- CUDA graphs ---------------------------------------------------------------------------------
 
 def _call(kind, norm, x, r):
     if kind == "module":
@@ -207,7 +207,7 @@ def test_cuda_graph_replay_is_bitwise_eager(kind, backward):
             norm.weight.grad = None
 
 
-# ---- another device than the current one ----------------------------------------------------------
+# ---- another device than the current one ---------------------------------------------------------
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensors_on_cuda1_while_cuda0_is_current():
@@ -236,7 +236,7 @@ def test_tensors_on_cuda1_while_cuda0_is_current():
         assert torch.equal(bits(a), bits(b)), f"{what}: cuda:1 differs from cuda:0"
 
 
-# ---- training: 50 bf16 steps against torch.nn.RMSNorm ------------------------------------------------
+# ---- training: 50 bf16 steps against torch.nn.RMSNorm --------------------------------------------
 
 # Tolerance: every step's loss within 1% of torch's, and 0.3% on average over the curve.  The runs
 # differ only in RMSNorm rounding (ours rounds once; torch's 16-bit path rounds the normalised x,

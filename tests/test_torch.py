@@ -81,7 +81,7 @@ def check_grads(y, dx, dweight, x_or_h, weight, dy, eps, weight_offset, ref, dty
         assert_dweight(dweight, dw_ref, wdtype)
 
 
-# ---- rms_norm: values and gradients ----------------------------------------------------------------
+# ---- rms_norm: values and gradients --------------------------------------------------------------
 
 # every (x dtype, weight dtype) with weight_offset 0, and 1 (Gemma) where there is a weight
 GRAD_CASES = [pytest.param(combo, offset, id=f"{combo_id(combo)}-offset{offset:g}")
@@ -147,7 +147,7 @@ def test_rstd_is_computed_only_when_a_gradient_is_needed(monkeypatch):
     assert calls == [False, False, False, True, True]
 
 
-# ---- fused add: values and gradients ---------------------------------------------------------------
+# ---- fused add: values and gradients -------------------------------------------------------------
 
 @pytest.mark.parametrize("combo", WEIGHT_COMBOS, ids=combo_id)
 @pytest.mark.parametrize("uses", ["y", "residual_out", "both"])
@@ -301,7 +301,7 @@ def test_quant_matches_functional_and_carries_no_gradient(quant, with_residual):
         assert_bitwise(bits(a), bits(b), "quant output")
 
 
-# ---- the RMSNorm module against torch.nn.RMSNorm ----------------------------------------------------
+# ---- the RMSNorm module against torch.nn.RMSNorm -------------------------------------------------
 
 def test_module_is_a_drop_in_for_torch_nn_rmsnorm():
     ours, theirs = rt.RMSNorm(64), torch.nn.RMSNorm(64)
@@ -391,7 +391,7 @@ def test_weight_offset_module_starts_as_the_identity_scale():
     assert torch.equal(gemma.weight, torch.zeros(128, dtype=torch.bfloat16))
 
 
-# ---- replace_rmsnorm ---------------------------------------------------------------------------------
+# ---- replace_rmsnorm -----------------------------------------------------------------------------
 
 class Block(torch.nn.Module):
     def __init__(self, d, shared_norm=None):
@@ -441,7 +441,7 @@ def test_replace_rmsnorm_swaps_every_norm_keeping_weights():
     assert type(rt.replace_rmsnorm(torch.nn.RMSNorm(8))) is rt.RMSNorm
 
 
-# ---- errors ------------------------------------------------------------------------------------------
+# ---- errors --------------------------------------------------------------------------------------
 
 ERRORS = [
     # (call, exception, message pattern): functional's messages come through unchanged
@@ -490,7 +490,7 @@ def test_empty_batch():
     assert torch.equal(w.grad, torch.zeros(16)), "M = 0: dweight is N zeros"
 
 
-# ---- torch.library.opcheck for every custom op ----------------------------------------------------
+# ---- torch.library.opcheck for every custom op ---------------------------------------------------
 
 def opcheck_cases():
     x = randn((3, 5, 32), "bfloat16", 1)
@@ -511,7 +511,8 @@ def opcheck_cases():
         ("fused_add_rms_norm_fwd-noweight", ops.fused_add_rms_norm_fwd,
          (leaf(x), leaf(r), None, 1e-6, 0.0)),
         ("rms_norm_backward", ops.rms_norm_backward, (dy, x, w, rstd, r, 1e-6, 0.0)),
-        ("rms_norm_backward-recompute", ops.rms_norm_backward, (dy, x, None, None, None, 1e-6, 0.0)),
+        ("rms_norm_backward-recompute", ops.rms_norm_backward,
+         (dy, x, None, None, None, 1e-6, 0.0)),
         ("rms_norm_quant", ops.rms_norm_quant, (x, w, 1e-6, xs, None, "int8", 0.0)),
         ("rms_norm_quant-fp8-residual", ops.rms_norm_quant,
          (x, None, 1e-6, None, r, "float8_e4m3fn", 0.0)),

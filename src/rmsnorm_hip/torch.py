@@ -152,7 +152,7 @@ def _(x, weight, eps, xscale, residual, quant_dtype, weight_offset):
     return outs if residual is None else outs + [x.new_empty(x.shape)]
 
 
-# ---- backward op and the autograd formula ---------------------------------------------------------
+# ---- backward op and the autograd formula --------------------------------------------------------
 
 def _backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Optional[Tensor],
                    dresidual: Optional[Tensor], eps: float, weight_offset: float) -> list[Tensor]:
