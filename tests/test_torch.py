@@ -481,6 +481,17 @@ def test_errors_name_argument_expected_and_given(call, exc, match):
         call()
 
 
+def test_one_dimensional_x_is_one_row():
+    x = leaf(randn((96,), "float16", 1))
+    w = leaf(randn((96,), "float16", 2, loc=1.0, scale=0.1))
+    dy = randn((96,), "float16", 3)
+    y = rt.rms_norm(x, w)
+    y.backward(dy)
+    ref = torch_reference(x.reshape(1, 96), w, 1e-6, 0.0, dy.reshape(1, 96))
+    check_grads(y.reshape(1, 96), x.grad.reshape(1, 96), w.grad, x.detach().reshape(1, 96), w,
+                dy.reshape(1, 96), 1e-6, 0.0, ref, "float16", "float16")
+
+
 def test_empty_batch():
     x = leaf(torch.ones(0, 3, 16))
     w = leaf(torch.ones(16))

@@ -271,10 +271,13 @@ def _scalars(fn, eps, weight_offset, has_weight):
     return _validate.eps(eps, fn), _validate.weight_offset(weight_offset, has_weight, fn)
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _direct(x):
     """Whether a call may skip the dispatcher: eager mode and a plain tensor with storage.  Under
     torch.compile, and for meta / fake tensors and tensor subclasses, the custom ops run."""
-    return not torch.compiler.is_compiling() and type(x) is Tensor and not x.is_meta
+    return not torch.compiler.is_compiling() and type(x) in _PLAIN and not x.is_meta
 
 
 def rms_norm(x, weight=None, eps=1e-6, weight_offset=0.0):
