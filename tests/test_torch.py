@@ -4,7 +4,6 @@ against torch.nn.RMSNorm (state_dict both ways, eps=None, normalized_shape tuple
 model swap, layouts, errors, every custom op through torch.library.opcheck, and a
 torch.compile(fullgraph=True) trace with dynamic batch sizes (aot_eager: fake implementations and
 autograd formulas, no code generation)."""
-import copy
 import math
 
 import numpy as np
@@ -393,7 +392,7 @@ def test_weight_offset_module_starts_as_the_identity_scale():
 
 # ---- replace_rmsnorm -----------------------------------------------------------------------------
 
-class Block(torch.nn.Module):
+class MlpBlock(torch.nn.Module):
     def __init__(self, d, shared_norm=None):
         super().__init__()
         self.norm = torch.nn.RMSNorm(d, eps=1e-5)
@@ -409,7 +408,7 @@ class Block(torch.nn.Module):
 def small_model(d=64):
     torch.manual_seed(0)
     final = torch.nn.RMSNorm(d)                     # eps=None
-    return torch.nn.Sequential(Block(d), Block(d, final), torch.nn.ModuleList([final]),
+    return torch.nn.Sequential(MlpBlock(d), MlpBlock(d, final), torch.nn.ModuleList([final]),
                                torch.nn.RMSNorm((4, d // 4), elementwise_affine=False))
 
 
