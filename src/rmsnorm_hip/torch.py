@@ -1,0 +1,420 @@
+"""The torch adapter (API.md, "Torch adapter"): differentiable :func:`rms_norm` and
+:func:`fused_add_rms_norm`, the quantised forward :func:`rms_norm_quant`, :class:`RMSNorm` (a
+drop-in for ``torch.nn.RMSNorm``, plus ``weight_offset``) and :func:`replace_rmsnorm`.
+
+Each kernel entry point is a ``torch.library`` custom op in the namespace ``rmsnorm_hip``, with a
+fake implementation and, for the differentiable ones, an autograd formula, so ``torch.compile(
+fullgraph=True)`` traces them without graph breaks.  In eager mode, plain tensors skip the
+dispatcher: the same op bodies and the same autograd formula run through a
+``torch.autograd.Function`` (the custom op's Python autograd wrapper costs more host time than a
+launch).  The bodies call :mod:`rmsnorm_hip.functional`, which allocates every output and
+workspace with ``torch.empty`` (the caching allocator; inside a CUDA graph, its pool), launches
+on torch's current stream of the tensor's device and never syncs the host, so both paths can be
+captured in CUDA graphs.
+
+The ops (``torch.ops.rmsnorm_hip.<name>``; ``weight?`` is an optional tensor):
+
+- ``rms_norm(x, weight?, eps, weight_offset) -> y``
+- ``rms_norm_fwd(x, weight?, eps, weight_offset) -> (y, rstd)``
+- ``fused_add_rms_norm(x, residual, weight?, eps, weight_offset) -> (y, residual_out)``
+- ``fused_add_rms_norm_fwd(x, residual, weight?, eps, weight_offset) -> (y, residual_out, rstd)``
+- ``rms_norm_backward(dy, x, weight?, rstd?, dresidual?, eps, weight_offset) -> [dx]``, or
+  ``[dx, dweight]`` with a weight
+- ``rms_norm_quant(x, weight?, eps, xscale?, residual?, quant_dtype, weight_offset) ->
+  [q, yscale]``, or ``[q, yscale, residual_out]`` with a residual
+
+The ``*_fwd`` variants keep rstd for the backward; the wrappers call them only when a gradient is
+needed (grad mode on and an input requiring grad).  Without rstd, the other forward ops' backward
+recomputes it from x.  This is the only module of the package that imports torch.
+"""
+import math
+from contextlib import nullcontext
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _validate, functional
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_quant", "RMSNorm", "replace_rmsnorm"]
+
+# torch.nn.RMSNorm's eps=None: the epsilon of the float32 opmath type for float32, float16 and
+# bfloat16 inputs alike (not the 16-bit dtype's own epsilon)
+TORCH_DEFAULT_EPS = torch.finfo(torch.float32).eps
+
+
+# ---- layouts and devices -------------------------------------------------------------------------
+
+def _rows(t, name):
+    """``t`` as the kernels read it: unchanged (no copy) when it is rows of unit-stride elements
+    with one row stride, else a contiguous copy.  Errors are left to functional's validation,
+    which sees the tensor either way."""
+    if t is None or t.is_contiguous():
+        return t
+    try:
+        _validate.rows(SimpleNamespace(shape=tuple(t.shape), strides=t.stride()), "", name)
+    except ValueError:
+        return t.contiguous()
+    return t
+
+
+def _vector(t):
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def _on_device(x):
+    """The tensor's own device current for a launch on a CUDA device that is not torch's current
+    one (restored after); otherwise nothing to do."""
+    if x.is_cuda and x.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return nullcontext()
+
+
+def _rows_of(shape):
+    return math.prod(shape[:-1])
+
+
+# ---- forward ops ---------------------------------------------------------------------------------
+
+def _forward(x, weight, eps, weight_offset, return_rstd):
+    with _on_device(x):
+        return functional.rms_norm(_rows(x, "x"), _vector(weight), eps,
+                                   weight_offset=weight_offset, return_rstd=return_rstd)
+
+
+@torch.library.custom_op("rmsnorm_hip::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float) -> Tensor:
+    return _forward(x, weight, eps, weight_offset, False)
+
+
+@torch.library.custom_op("rmsnorm_hip::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(x: Tensor, weight: Optional[Tensor], eps: float,
+                     weight_offset: float) -> tuple[Tensor, Tensor]:
+    return _forward(x, weight, eps, weight_offset, True)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, weight_offset):
+    return x.new_empty(x.shape)
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps, weight_offset):
+    return x.new_empty(x.shape), x.new_empty((_rows_of(x.shape),), dtype=torch.float32)
+
+
+def _fused(x, residual, weight, eps, weight_offset, return_rstd):
+    with _on_device(x):
+        return functional.fused_add_rms_norm(
+            _rows(x, "x"), _rows(residual, "residual"), _vector(weight), eps,
+            weight_offset=weight_offset, return_rstd=return_rstd)
+
+
+@torch.library.custom_op("rmsnorm_hip::fused_add_rms_norm", mutates_args=())
+def _fused_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
+              weight_offset: float) -> tuple[Tensor, Tensor]:
+    return _fused(x, residual, weight, eps, weight_offset, False)
+
+
+@torch.library.custom_op("rmsnorm_hip::fused_add_rms_norm_fwd", mutates_args=())
+def _fused_fwd_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float,
+                  weight_offset: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _fused(x, residual, weight, eps, weight_offset, True)
+
+
+@_fused_op.register_fake
+def _(x, residual, weight, eps, weight_offset):
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@_fused_fwd_op.register_fake
+def _(x, residual, weight, eps, weight_offset):
+    return (x.new_empty(x.shape), x.new_empty(x.shape),
+            x.new_empty((_rows_of(x.shape),), dtype=torch.float32))
+
+
+@torch.library.custom_op("rmsnorm_hip::rms_norm_quant", mutates_args=())
+def _quant_op(x: Tensor, weight: Optional[Tensor], eps: float, xscale: Optional[Tensor],
+              residual: Optional[Tensor], quant_dtype: str, weight_offset: float) -> list[Tensor]:
+    with _on_device(x):
+        return list(functional.rms_norm_quant(
+            _rows(x, "x"), _vector(weight), eps, xscale=_vector(xscale),
+            residual=_rows(residual, "residual"), quant_dtype=quant_dtype,
+            weight_offset=weight_offset))
+
+
+@_quant_op.register_fake
+def _(x, weight, eps, xscale, residual, quant_dtype, weight_offset):
+    q_dtype = getattr(torch, _validate.quant_dtype(quant_dtype, "rms_norm_quant"))
+    outs = [x.new_empty(x.shape, dtype=q_dtype),
+            x.new_empty((_rows_of(x.shape),), dtype=torch.float32)]
+    return outs if residual is None else outs + [x.new_empty(x.shape)]
+
+
+# ---- backward op and the autograd formula --------------------------------------------------------
+
+def _backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Optional[Tensor],
+                   dresidual: Optional[Tensor], eps: float, weight_offset: float) -> list[Tensor]:
+    with _on_device(x):
+        dx, dweight = functional.rms_norm_backward(
+            _rows(dy, "dy"), _rows(x, "x"), _vector(weight), _vector(rstd),
+            weight_offset=weight_offset, dresidual=_rows(dresidual, "dresidual"), eps=eps)
+    return [dx] if dweight is None else [dx, dweight]
+
+
+_backward_op = torch.library.custom_op("rmsnorm_hip::rms_norm_backward",
+                                       mutates_args=())(_backward_impl)
+
+
+@_backward_op.register_fake
+def _(dy, x, weight, rstd, dresidual, eps, weight_offset):
+    dx = x.new_empty(x.shape)
+    return [dx] if weight is None else [dx, weight.new_empty(weight.shape)]
+
+
+def _save(ctx, h, weight, rstd, eps, weight_offset, fused, backward):
+    """What the backward reads: the normalised input ``h`` (x, or a fused add's residual_out),
+    weight, rstd (None: recomputed from h) and the backward to call (the op, or its body)."""
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(h, weight, rstd)
+    ctx.eps, ctx.weight_offset, ctx.fused, ctx.backward_fn = eps, weight_offset, fused, backward
+
+
+def _backward(ctx, dy, *rest):
+    """Gradients of (x, weight, eps, weight_offset), or of (x, residual, weight, eps,
+    weight_offset) for the fused add, whose ``rest[0]`` is the gradient reaching residual_out:
+    the kernel folds it into dx (one rounding), and that one tensor is the gradient of both x
+    and residual (residual_out = x + residual), with no copy.  Further grads (rstd's) are None."""
+    h, weight, rstd = ctx.saved_tensors
+    dresidual = rest[0] if ctx.fused else None
+    if dy is None:
+        dh, dweight = dresidual, None
+    else:
+        dh, *dweight = ctx.backward_fn(dy, h, weight, rstd, dresidual, ctx.eps,
+                                       ctx.weight_offset)
+        # weight is the third input from the end in both signatures
+        dweight = dweight[0] if dweight and ctx.needs_input_grad[-3] else None
+    return (dh, dh, dweight, None, None) if ctx.fused else (dh, dweight, None, None)
+
+
+def _setup_op(ctx, inputs, output):
+    fused = len(inputs) == 5
+    weight, eps, weight_offset = inputs[-3:]
+    outputs = output if isinstance(output, tuple) else (output,)
+    rstd = outputs[-1] if len(outputs) == (3 if fused else 2) else None
+    if rstd is not None:
+        ctx.mark_non_differentiable(rstd)
+    _save(ctx, outputs[1] if fused else inputs[0], weight, rstd, eps, weight_offset, fused,
+          _backward_op)
+
+
+for _op in (_rms_norm_op, _rms_norm_fwd_op, _fused_op, _fused_fwd_op):
+    _op.register_autograd(_backward, setup_context=_setup_op)
+
+
+def _setup_quant(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)    # integer / float8 codes: no gradient flows
+
+
+_quant_op.register_autograd(lambda ctx, *grads: (None,) * 7, setup_context=_setup_quant)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """The eager path of :func:`rms_norm` with a gradient: the op bodies called directly (the
+    dispatcher and the custom op's autograd wrapper cost more host time than the launch)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, weight_offset):
+        y, rstd = _forward(x, weight, eps, weight_offset, True)
+        _save(ctx, x, weight, rstd, eps, weight_offset, False, _backward_impl)
+        return y
+
+    backward = staticmethod(_backward)
+
+
+class _FusedFunction(torch.autograd.Function):
+    """The eager path of :func:`fused_add_rms_norm` with a gradient."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, weight_offset):
+        y, residual_out, rstd = _fused(x, residual, weight, eps, weight_offset, True)
+        _save(ctx, residual_out, weight, rstd, eps, weight_offset, True, _backward_impl)
+        return y, residual_out
+
+    backward = staticmethod(_backward)
+
+
+# ---- the functions users call --------------------------------------------------------------------
+
+_ops = torch.ops.rmsnorm_hip
+
+
+def _check_tensors(fn, **tensors):
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor"
+                            f"{'' if name in ('x', 'residual') else ' or None'}, "
+                            f"got {type(t).__module__}.{type(t).__qualname__}")
+
+
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _scalars(fn, eps, weight_offset, has_weight):
+    """eps and weight_offset for the ops' float arguments: checked here (functional's messages)
+    in eager mode; under torch.compile passed on as traced, and checked by functional when the
+    compiled graph runs."""
+    if torch.compiler.is_compiling():
+        return eps, weight_offset
+    return _validate.eps(eps, fn), _validate.weight_offset(weight_offset, has_weight, fn)
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _direct(x):
+    """Whether a call may skip the dispatcher: eager mode and a plain tensor with storage.  Under
+    torch.compile, and for meta / fake tensors and tensor subclasses, the custom ops run."""
+    return not torch.compiler.is_compiling() and type(x) in _PLAIN and not x.is_meta
+
+
+def rms_norm(x, weight=None, eps=1e-6, weight_offset=0.0):
+    """Differentiable :func:`rmsnorm_hip.rms_norm` for torch tensors (grads for x and weight).
+
+    ``y = x * rstd * (weight + weight_offset)``, ``rstd = 1 / sqrt(mean(x**2) + eps)`` over the
+    last dimension, in float32 with one rounding to x's dtype.  rstd is kept for the backward
+    only when a gradient is needed.  Any layout is accepted: tensors whose rows are not
+    unit-stride rows of one row stride are made contiguous first; row-strided ones are read in
+    place.  CPU tensors run on the CPU backend; CUDA tensors on their own device and on torch's
+    current stream there.
+    """
+    fn = "rms_norm"
+    _check_tensors(fn, x=x, weight=weight)
+    grad = _needs_grad(x, weight)
+    if _direct(x):                  # functional validates eps and weight_offset
+        if grad:
+            return _RMSNormFunction.apply(x, weight, eps, weight_offset)
+        return _forward(x, weight, eps, weight_offset, False)
+    eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
+    if grad:
+        return _ops.rms_norm_fwd.default(x, weight, eps, weight_offset)[0]
+    return _ops.rms_norm.default(x, weight, eps, weight_offset)
+
+
+def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, weight_offset=0.0):
+    """Differentiable :func:`rmsnorm_hip.fused_add_rms_norm`: ``(y, residual_out)`` with
+    ``residual_out = round(x + residual)`` and ``y = rms_norm(residual_out, weight, eps,
+    weight_offset)`` (grads for x, residual and weight).
+
+    The backward folds the gradient reaching ``residual_out`` into the kernel's dx (one
+    rounding) and returns that one tensor as the gradient of both x and residual.
+    """
+    fn = "fused_add_rms_norm"
+    _check_tensors(fn, x=x, residual=residual, weight=weight)
+    grad = _needs_grad(x, residual, weight)
+    if _direct(x):
+        if grad:
+            return _FusedFunction.apply(x, residual, weight, eps, weight_offset)
+        return _fused(x, residual, weight, eps, weight_offset, False)
+    eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
+    if grad:
+        return _ops.fused_add_rms_norm_fwd.default(x, residual, weight, eps, weight_offset)[:2]
+    return _ops.fused_add_rms_norm.default(x, residual, weight, eps, weight_offset)
+
+
+def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quant_dtype="int8",
+                   weight_offset=0.0):
+    """:func:`rmsnorm_hip.rms_norm_quant` as a custom op (traceable; not differentiable):
+    ``(q, yscale)``, or ``(q, yscale, residual_out)`` when residual is given.  ``quant_dtype``:
+    "int8" / "float8_e4m3fn" or ``torch.int8`` / ``torch.float8_e4m3fn``."""
+    fn = "rms_norm_quant"
+    _check_tensors(fn, x=x, weight=weight, xscale=xscale, residual=residual)
+    quant_dtype = _validate.quant_dtype(quant_dtype, fn)
+    eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
+    return tuple(_ops.rms_norm_quant.default(x, weight, eps, xscale, residual, quant_dtype,
+                                             weight_offset))
+
+
+# ---- modules -------------------------------------------------------------------------------------
+
+class RMSNorm(torch.nn.RMSNorm):
+    """A drop-in for ``torch.nn.RMSNorm`` running the rmsnorm_hip kernels (a subclass of it:
+    same constructor and defaults, attributes, ``weight`` parameter and state_dict keys).
+
+    Normalises over the trailing ``normalized_shape`` dims (flattened into one row of N
+    elements).  ``eps=None`` uses float32's epsilon, as torch does for float32, float16 and
+    bfloat16 inputs.  ``weight_offset`` (keyword only) scales by ``weight + weight_offset``
+    (1.0: Gemma's ``1 + w``); the weight then starts at ``1 - weight_offset``, the identity.
+
+    Differences from torch: the output keeps x's dtype (a float32 weight with bfloat16 x gives
+    bfloat16, not float32), rounded once; float64 inputs raise TypeError.
+    """
+
+    __constants__ = torch.nn.RMSNorm.__constants__ + ["weight_offset"]
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
+                 dtype=None, *, weight_offset=0.0):
+        weight_offset = _validate.weight_offset(weight_offset, True, "RMSNorm")
+        if weight_offset and not elementwise_affine:
+            raise ValueError(f"RMSNorm: weight_offset must be 0.0 with elementwise_affine=False "
+                             f"(no weight), got {weight_offset}")
+        self.weight_offset = weight_offset      # before super().__init__: reset_parameters reads it
+        super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
+        if not self.normalized_shape:
+            raise ValueError("RMSNorm: normalized_shape must have at least one dimension, got ()")
+
+    def reset_parameters(self):
+        if self.elementwise_affine:
+            torch.nn.init.constant_(self.weight, 1.0 - self.weight_offset)
+
+    def forward(self, x):
+        shape = self.normalized_shape
+        k = len(shape)
+        if not isinstance(x, Tensor) or x.dim() < k or tuple(x.shape[x.dim() - k:]) != shape:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"RMSNorm: x must have shape (..., {', '.join(map(str, shape))}) "
+                             f"(normalized_shape {shape}), got {got}")
+        eps = TORCH_DEFAULT_EPS if self.eps is None else self.eps
+        if k == 1:
+            return rms_norm(x, self.weight, eps, self.weight_offset)
+        n = math.prod(shape)
+        weight = None if self.weight is None else self.weight.reshape(n)
+        y = rms_norm(x.reshape(x.shape[:x.dim() - k] + (n,)), weight, eps, self.weight_offset)
+        return y.reshape(x.shape)
+
+    def extra_repr(self):
+        text = super().extra_repr()
+        return text + f", weight_offset={self.weight_offset}" if self.weight_offset else text
+
+
+def replace_rmsnorm(model):
+    """Swaps every ``torch.nn.RMSNorm`` inside ``model`` (exactly that class, not subclasses) for
+    :class:`RMSNorm`, in place, and returns ``model`` (or the new module when ``model`` is itself
+    a ``torch.nn.RMSNorm``).
+
+    The new module takes over the old one's ``weight`` parameter object (same storage, device,
+    dtype and requires_grad, so an optimizer built before the swap still updates it), its
+    ``normalized_shape``, ``eps``, ``elementwise_affine`` and training mode.  A module reached
+    by several paths is replaced by one new module.  Hooks registered on the old modules are
+    not carried over.
+    """
+    return _replace(model, {})
+
+
+def _replace(module, done):
+    if type(module) is torch.nn.RMSNorm:
+        if id(module) not in done:
+            new = RMSNorm(module.normalized_shape, module.eps, module.elementwise_affine,
+                          device="meta")
+            if module.elementwise_affine:
+                new.weight = module.weight
+            new.train(module.training)
+            done[id(module)] = new
+        return done[id(module)]
+    for name, child in module.named_children():
+        new = _replace(child, done)
+        if new is not child:
+            setattr(module, name, new)
+    return module
