@@ -153,7 +153,7 @@ def cuda_records(variant, archs, intr, keep_dir=None):
     records = {}
     for arch in archs:
         ptx, _ = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, _cuda_cc(arch),
-                             _config.block_threads(variant.spec))
+                             *_config.launch_bounds(variant.spec))
         records[arch] = record = _describe(variant)
         record.update(
             arch=arch,

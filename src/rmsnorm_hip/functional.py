@@ -203,7 +203,8 @@ def _fused_forward(fn, x, residual, weight, eps, weight_offset, dtype, *, return
 
     if m > 0:
         backend.rms_norm_fused_fwd(xi, ri, wi, si, yi, roi, rstd_i, yscale_i, m, n,
-                                   (x_stride, r_stride, y_stride, ro_stride), eps, weight_offset)
+                                   (x_stride, r_stride, y_stride, ro_stride), eps, weight_offset,
+                                   quant)
     if in_place:
         return None, None, None, None
     return tuple(None if info is None else info.result() for info in (yi, roi, rstd_i, yscale_i))

@@ -26,7 +26,7 @@ class GpuBackend:
         key = self.cache_key + (builder.__name__, spec)
         return _cache.get(key, lambda: self.compile(builder(self.intrinsics, spec), argtypes,
                                                     builder.__name__,
-                                                    _config.block_threads(spec)))
+                                                    *_config.launch_bounds(spec)))
 
     def stream_for(self, info):
         return _arrays.current_stream(info)
@@ -103,14 +103,14 @@ class GpuBackend:
 
     # ---- fused residual add / quantised forward --------------------------------------------
     def rms_norm_fused_fwd(self, x, residual, weight, xscale, y, residual_out, rstd, yscale, m, n,
-                           strides, eps, weight_offset):
+                           strides, eps, weight_offset, quant=""):
         """The forward with its fused switches: ``residual`` (with ``residual_out``, which may
         be ``residual`` itself) and/or quantisation (``y`` int8 / float8_e4m3fn, ``yscale``,
-        optional ``xscale``).  ``strides``: row strides of (x, residual, y, residual_out), in
+        optional ``xscale``; ``quant`` names y's 8-bit format, which CuPy's uint8 bits do not
+        carry).  ``strides``: row strides of (x, residual, y, residual_out), in
         elements; a quantised y's is N, so its 8- / 4-byte chunk stores are aligned whenever
         x's 16-byte chunks are."""
         x_stride, r_stride, y_stride, ro_stride = strides
-        quant = y.dtype if y.dtype in _dtypes.QUANT_DTYPES else ""
         fused = (residual is not None, quant, xscale.dtype if xscale is not None else "")
         vector_key, scalar_key = self.fwd_kernels(
             n, x.dtype, weight.dtype if weight is not None else "", rstd is not None, x_stride,

@@ -45,10 +45,9 @@ class CpuBackend:
             np.float32(eps), np.float32(weight_offset), rstd is not None)
 
     def rms_norm_fused_fwd(self, x, residual, weight, xscale, y, residual_out, rstd, yscale, m, n,
-                           strides, eps, weight_offset):
+                           strides, eps, weight_offset, quant=""):
         """See GpuBackend.rms_norm_fused_fwd (same arguments)."""
         x_stride, r_stride, y_stride, ro_stride = strides
-        quant = y.dtype if y.dtype in _dtypes.QUANT_DTYPES else ""
         fwd = self._kernel(cpu_rmsnorm.make_cpu_fused_fwd, x.dtype,
                            weight.dtype if weight is not None else "",
                            m > 1 and m * n >= PARALLEL_MIN_ELEMENTS, residual is not None, quant,

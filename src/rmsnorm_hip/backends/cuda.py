@@ -36,17 +36,21 @@ def _targeting(cc):
             dispatcher.get_current_device = original
 
 
-def compile_ptx(pyfunc, argtypes, cc, max_threads=None):
+def compile_ptx(pyfunc, argtypes, cc, max_threads=None, min_blocks=None):
     """(ptx text, entry name) of a kernel for compute capability ``cc``, no GPU needed.
     ``max_threads``: the block size it is launched with, declared as ``.maxntid`` (CUDA's
     __launch_bounds__) so ptxas keeps registers within what such a block may use: without it a
-    1024-thread block of a kernel given more than 64 registers fails to launch."""
+    1024-thread block of a kernel given more than 64 registers fails to launch.  ``min_blocks``:
+    blocks that must fit on one SM at once (``.minnctapersm``), which caps registers further."""
     from numba import cuda
     with _targeting(cc):
         ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=cc)
     entry = re.search(r"\.entry\s+([\w$]+)\s*\([^()]*\)\s*\{", ptx)
     if max_threads:
-        ptx = f"{ptx[:entry.end() - 1]}.maxntid {int(max_threads)}, 1, 1\n{ptx[entry.end() - 1:]}"
+        bounds = f".maxntid {int(max_threads)}, 1, 1\n"
+        if min_blocks:
+            bounds += f".minnctapersm {int(min_blocks)}\n"
+        ptx = f"{ptx[:entry.end() - 1]}{bounds}{ptx[entry.end() - 1:]}"
     return ptx, entry.group(1)
 
 
@@ -126,8 +130,8 @@ class CudaBackend(GpuBackend):
         finally:
             _check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
-    def compile(self, pyfunc, argtypes, name, max_threads=None):
-        ptx, entry = compile_ptx(pyfunc, argtypes, self.cc, max_threads)
+    def compile(self, pyfunc, argtypes, name, max_threads=None, min_blocks=None):
+        ptx, entry = compile_ptx(pyfunc, argtypes, self.cc, max_threads, min_blocks)
         with self.current():
             module = self._load_ptx(ptx)
             function = _check(self._driver.cuModuleGetFunction(module, entry.encode()),
@@ -156,9 +160,13 @@ class CudaBackend(GpuBackend):
     def resident_per_sm(self, kernel, block_threads):
         per_sm = kernel.resident.get(block_threads)
         if per_sm is None:
-            per_sm = kernel.resident[block_threads] = _check(
-                self._driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    kernel.function, block_threads, 0), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            # once per kernel and block size; under this device's context, which a thread torch
+            # runs autograd on may not have current
+            with self.current():
+                per_sm = kernel.resident[block_threads] = _check(
+                    self._driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                        kernel.function, block_threads, 0),
+                    "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return per_sm
 
     def launch(self, kernel, grid, block, args, stream):

@@ -241,7 +241,7 @@ class HipBackend(GpuBackend):
         finally:
             _check(hip.hipSetDevice(previous), "hipSetDevice")
 
-    def compile(self, pyfunc, argtypes, name, max_threads=None):
+    def compile(self, pyfunc, argtypes, name, max_threads=None, min_blocks=None):
         # AMDGPU code objects are built for blocks of up to 1024 work items already (the VGPR
         # budget for 16 waves per CU; aot.block_vgpr_limit checks each variant)
         code_object, _, metadata = compile_code_object(pyfunc, argtypes, self.arch,

@@ -30,7 +30,7 @@ class SimBackend(GpuBackend):
         self.sm_count = 1
         super().__init__(intrinsics.load("sim", warp))
 
-    def compile(self, pyfunc, argtypes, name, max_threads=None):
+    def compile(self, pyfunc, argtypes, name, max_threads=None, min_blocks=None):
         from numba import cuda
         return cuda.jit(pyfunc)
 

@@ -124,7 +124,22 @@ def define(intrinsic):
 
         return types.void(ptr, idx, value), codegen
 
-    return dict(f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,
+    @intrinsic
+    def fma(typingctx, a, b, c):
+        """a * b + c rounded once (llvm.fma.f32).  The kernels spell every multiply-add out with
+        it: left to the backend, whether ``p * q - r * s`` fuses p * q or r * s depends on the
+        surrounding code, and the vector and scalar forms of a row would round differently."""
+        if not all(isinstance(v, types.Float) for v in (a, b, c)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a_, b_, c_ = (context.cast(builder, v, t, types.float32)
+                          for v, t in zip(args, sig.args))
+            return builder.fma(a_, b_, c_)
+
+        return types.float32(a, b, c), codegen
+
+    return dict(f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
                 store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
                 atomic_add_f32=atomic_add_f32)
 

@@ -18,4 +18,5 @@ def build():
                            _no_shuffle)
     return SimpleNamespace(name="cpu", warp=1, gpu=None, jitable=register_jitable,
                            f32_as_u32=compiled["f32_as_u32"], u32_as_f32=compiled["u32_as_f32"],
+                           fma=compiled["fma"],
                            **vars(shared))

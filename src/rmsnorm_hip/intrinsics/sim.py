@@ -38,6 +38,12 @@ def u32_as_f32(value):
     return np.uint32(value).view(np.float32)
 
 
+def fma(a, b, c):
+    # float32 a * b is exact in float64; the sum then rounds twice (to float64, to float32),
+    # which differs from one rounding only in rare ties: the simulator tests logic, not bits
+    return np.float32(np.float64(np.float32(a)) * np.float64(np.float32(b)) + np.float64(c))
+
+
 def _check_aligned(ptr, idx, nbytes=16):
     # the kernel's flat arrays start at 16-byte aligned pointers whenever the vector path runs,
     # so an access of nbytes must sit at a multiple of nbytes from their start
@@ -110,6 +116,6 @@ def _make_shfl_xor(warp):
 def build(warp):
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
     return SimpleNamespace(name="sim", warp=warp, gpu=_SimGpu(), jitable=_identity,
-                           f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,
+                           f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
                            atomic_add_f32=atomic_add_f32, **vars(shared))

@@ -44,7 +44,7 @@ class RowLayout:
         return ceil_div(self.n, self.chunk)
 
 
-def _layout(n, dtype, chunks_per_thread, max_cached_floats):
+def _layout(n, dtype, chunks_per_thread, max_cached_floats, max_threads=MAX_THREADS):
     """Threads per row for about ``chunks_per_thread`` chunks each (a power of two up to a warp,
     else a whole number of 64-lane wavefronts, at most MAX_THREADS)."""
     chunk = CHUNK_BYTES // _dtypes.ITEMSIZE[dtype]
@@ -54,7 +54,7 @@ def _layout(n, dtype, chunks_per_thread, max_cached_floats):
         threads = next_pow2(n_chunks)
     else:
         # a multiple of 64 is a whole number of warps on NVIDIA and of wavefronts on AMD
-        threads = min(MAX_THREADS, 64 * ceil_div(ceil_div(n_chunks, chunks_per_thread), 64))
+        threads = min(max_threads, 64 * ceil_div(ceil_div(n_chunks, chunks_per_thread), 64))
     per_thread = ceil_div(n_chunks, threads)
     return RowLayout(n=n, chunk=chunk, threads=threads, chunks_per_thread=per_thread,
                      cached=per_thread * chunk <= max_cached_floats)
@@ -103,6 +103,7 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
 # BACKWARD.md (H200): N=4096 bf16 with 512 threads at 2 blocks per SM and N=8192 with 1024 threads
 # reached 95% / 94% of copy; 128-thread blocks with 4 chunks each needed 168 registers.
 BWD_MAX_CACHED_FLOATS = 16       # per array (x, dy, weight, dweight partial) and thread
+BWD_LOOPED_THREADS = 512         # threads per row of the looped (uncached) backward layouts
 BWD_BLOCKS_PER_SM = 2            # programs per SM for 512-thread rows (BACKWARD.md: P = 2 x SMs)
 BWD_REDUCE_COLUMNS = 32          # dweight reduction block: 32 columns x BWD_REDUCE_GROUPS rows
 BWD_REDUCE_GROUPS = 8
@@ -113,8 +114,13 @@ BWD_PACK_16BIT = True
 
 
 def bwd_row_layout(n, dtype):
-    """The backward's per-row layout (a function of N and dtype only: dx is batch invariant)."""
-    return _layout(n, dtype, 1, BWD_MAX_CACHED_FLOATS)
+    """The backward's per-row layout (a function of N and dtype only: dx is batch invariant).
+    Rows too long to cache take BWD_LOOPED_THREADS: at 1024 threads the dresidual forms need
+    more than the 64 registers such a block may have (ptxas 13.5 spilled 16-20 B)."""
+    layout = _layout(n, dtype, 1, BWD_MAX_CACHED_FLOATS)
+    if not layout.cached:
+        layout = _layout(n, dtype, 1, BWD_MAX_CACHED_FLOATS, BWD_LOOPED_THREADS)
+    return layout
 
 
 @dataclass(frozen=True)
@@ -139,12 +145,18 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
                    packed=packed)
 
 
-def block_threads(spec):
-    """Threads per block a kernel of ``spec`` is launched with (a forward / backward spec, or
-    the dweight reduction's weight dtype)."""
-    if isinstance(spec, str):
-        return BWD_REDUCE_COLUMNS * BWD_REDUCE_GROUPS
-    return spec.layout.threads * spec.rows
+def launch_bounds(spec):
+    """(max threads per block, min blocks per SM) a kernel declares to CUDA (__launch_bounds__),
+    or (None, None).  Backward kernels: their block size, so ptxas keeps a 1024-thread block
+    within 64 registers (else the launch fails); and BWD_BLOCKS_PER_SM for the packed rows, which
+    fit 64 registers at 512 threads without spilling (ptxas 13.5, every variant; left free, it
+    gave the dresidual forms 81-101 and so one block per SM).  Forward kernels stay free: with a
+    bound alone ptxas squeezed the looped 1024-thread forward to 32 registers and spilled."""
+    if not isinstance(spec, BwdSpec):
+        return None, None
+    threads = spec.layout.threads * spec.rows
+    blocks = min(BWD_BLOCKS_PER_SM, 2048 // threads) if spec.packed else 1
+    return threads, (blocks if blocks > 1 else None)
 
 
 def bwd_programs(spec, m, sm_count, resident_per_sm):

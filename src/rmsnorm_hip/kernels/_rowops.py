@@ -122,15 +122,18 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
 
 
 def make_chunk_dot(intr, chunk):
-    """Pairwise sum of ``a[i + k] * b[j + k]`` over a chunk (chunk 4 or 8)."""
+    """Pairwise sum of ``a[i + k] * b[j + k]`` over a chunk (chunk 4 or 8), each pair one
+    explicit fma (see intrinsics fma: the same rounding whatever code surrounds it)."""
+    fma = intr.fma
+
     @intr.jitable
     def chunk_dot(a, i, b, j):
-        s0 = a[i] * b[j] + a[i + 1] * b[j + 1]
-        s1 = a[i + 2] * b[j + 2] + a[i + 3] * b[j + 3]
+        s0 = fma(a[i], b[j], a[i + 1] * b[j + 1])
+        s1 = fma(a[i + 2], b[j + 2], a[i + 3] * b[j + 3])
         total = s0 + s1
         if chunk == 8:
-            s2 = a[i + 4] * b[j + 4] + a[i + 5] * b[j + 5]
-            s3 = a[i + 6] * b[j + 6] + a[i + 7] * b[j + 7]
+            s2 = fma(a[i + 4], b[j + 4], a[i + 5] * b[j + 5])
+            s3 = fma(a[i + 6], b[j + 6], a[i + 7] * b[j + 7])
             total = total + (s2 + s3)
         return total
 

@@ -43,7 +43,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     per_thread, cached, rows = layout.chunks_per_thread, layout.cached, spec.rows
     span = per_thread * chunk if cached else chunk        # floats kept per array and thread
     has_weight, recompute, has_dres = bool(spec.weight), spec.recompute_rstd, spec.dresidual
-    gpu, jitable = intr.gpu, intr.jitable
+    gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
     io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
     load, store, load_w = io.load, io.store, w_io.load
@@ -194,16 +194,16 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                         vslot = 0 if packed else slot     # where this chunk's x / dy floats are
                         weighted(dv, wv, vslot, slot, weight_offset, wdy)
                         for e in range(chunk):
+                            # every multiply-add an explicit fma: see intrinsics fma
                             x_hat = xv[vslot + e] * r
-                            g = (wdy[e] - x_hat * c1) * r
-                            if has_dres:
-                                g = g + rv[e]
-                            out[e] = g
+                            g = fma(-x_hat, c1, wdy[e])
+                            out[e] = fma(g, r, rv[e]) if has_dres else g * r
                             if has_weight:
                                 if cached:
-                                    acc[slot + e] += dv[vslot + e] * x_hat
+                                    acc[slot + e] = fma(dv[vslot + e], x_hat, acc[slot + e])
                                 elif col0 + e < n:
-                                    ws[ws_start + col0 + e] += dv[e] * x_hat
+                                    ws[ws_start + col0 + e] = fma(dv[e], x_hat,
+                                                                  ws[ws_start + col0 + e])
                         store(dx, dx_start, col0, out, 0)
         if cached and has_weight:
             for k in range(per_thread):
