@@ -29,6 +29,7 @@ def main():
     import torch
 
     import rmsnorm_hip
+    from rmsnorm_hip import backends
     from rmsnorm_hip._bench import timing
     from rmsnorm_hip.kernels import _config
 
@@ -46,6 +47,8 @@ def main():
         for name in args.settings.split(","):
             for attr, value in SETTINGS[name].items():
                 setattr(_config, attr, value)
+            for backend in backends._backends.values():
+                backend._bwd_plans.clear()
             call = lambda: rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dres)  # noqa
             out = call()
             if reference is None:

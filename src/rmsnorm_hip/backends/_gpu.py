@@ -16,6 +16,7 @@ class GpuBackend:
     def __init__(self, intrinsics):
         self.intrinsics = intrinsics
         self._plans = {}
+        self._bwd_plans = {}
 
     @property
     def cache_key(self):
@@ -128,6 +129,19 @@ class GpuBackend:
         self.launch(kernel, grid, block, args, self.stream_for(x))
 
     # ---- backward ------------------------------------------------------------------------
+    def _bwd_plan(self, key):
+        """(spec, kernel, dweight reduction kernel or None, blocks per SM) of a backward call
+        shape, built once: a repeat call only looks it up."""
+        spec = _config.bwd_spec(*key)
+        kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, spec, rmsnorm_bwd.argtypes(spec))
+        reduce = None
+        if spec.weight:
+            reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, spec.weight,
+                                 rmsnorm_bwd.reduce_argtypes(spec.weight))
+        per_sm = self.resident_per_sm(kernel, spec.layout.threads * spec.rows)
+        plan = self._bwd_plans[key] = (spec, kernel, reduce, per_sm)
+        return plan
+
     def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
                      weight_offset, workspace):
         """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo,
@@ -139,11 +153,9 @@ class GpuBackend:
                   and not (weight is not None and weight.ptr & _ALIGN_MASK)
                   and not any(a.ptr & _ALIGN_MASK for a in rows_))
         wdtype = weight.dtype if weight is not None else ""
-        spec = _config.bwd_spec(n, x.dtype, wdtype, vector, rstd is None, dres is not None)
-        kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, spec, rmsnorm_bwd.argtypes(spec))
-        threads = spec.layout.threads * spec.rows
-        programs = _config.bwd_programs(spec, m, self.sm_count,
-                                        self.resident_per_sm(kernel, threads))
+        key = (n, x.dtype, wdtype, vector, rstd is None, dres is not None)
+        spec, kernel, reduce, per_sm = self._bwd_plans.get(key) or self._bwd_plan(key)
+        programs = _config.bwd_programs(spec, m, self.sm_count, per_sm)
         ws = workspace((programs * spec.rows, n)) if weight is not None else None
         stream = self.stream_for(x)
         f32 = _dtypes.FLOAT32
@@ -153,8 +165,6 @@ class GpuBackend:
                      self.arg(ws, f32), m, strides[0], strides[1], strides[2], strides[3], eps,
                      weight_offset), stream)
         if weight is not None:
-            reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, wdtype,
-                                 rmsnorm_bwd.reduce_argtypes(wdtype))
             columns, groups = _config.BWD_REDUCE_COLUMNS, _config.BWD_REDUCE_GROUPS
             self.launch(reduce, ((n + columns - 1) // columns, 1, 1), (columns, groups, 1),
                         (self.arg(ws, f32), self.arg(dweight, wdtype), programs * spec.rows, n),

@@ -102,8 +102,13 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         xt = gpu.local.array(chunk, float32)   # one decoded chunk of packed x / dy
         dt = gpu.local.array(chunk, float32)
         # a zero the compiler cannot prove: pass 2 decodes the packed words XORed with it, so no
-        # decoded value or product of pass 1 is kept live across the row reduction's barrier
-        zero = gpu.shared.array(2, int32)
+        # decoded value or product of pass 1 is kept live across the row reduction.  Stored once,
+        # before a barrier: rows of at most a warp reduce without one
+        zero = gpu.shared.array(1, int32)
+        if packed:
+            if tx == 0 and ty == 0:
+                zero[0] = int32(m >> 62)
+            gpu.syncthreads()
         ws_start = (program * rows + ty) * n
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
@@ -158,10 +163,6 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 s += chunk_dot(xv, slot, wdy, 0)
                 if recompute:
                     ss += chunk_sumsq(xv, slot)
-            # slot by row parity: the next store to it comes after the next row's barrier,
-            # which every reader of this one passes only after reading
-            if packed and tx == 0 and ty == 0:
-                zero[it & 1] = int32(m >> 62)
             if recompute:
                 ss = row_sum(ss, red, parity, ty, tx)
                 parity ^= 1
@@ -174,7 +175,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             # pass 2: dx, and the dweight partial dy * x_hat
             if live:
                 dx_start = row * dx_stride
-                z = uint32(zero[it & 1]) if packed else uint32(0)
+                z = uint32(zero[0]) if packed else uint32(0)
                 for k in range(trips):
                     col0 = (tx + k * threads) * chunk
                     if col0 < n:
