@@ -124,8 +124,11 @@ _TYPESTR = {"<f4": "float32", "<f2": "float16", "<u2": "uint16", "|i1": "int8", 
 
 
 def _from_cai(obj, lib, cai, device_index, reinterpret):
+    """``reinterpret``: the library dtype the storage holds (a caller's dtype= for uint16, or the
+    dtype :func:`empty` allocated, e.g. float8_e4m3fn in uint8)."""
     name = _TYPESTR.get(cai["typestr"], cai["typestr"])
-    if name == "uint16" and reinterpret in _dtypes.HALF_DTYPES:
+    storage = _dtypes.STORAGE.get(reinterpret)
+    if storage is not None and name == storage.name:
         name = reinterpret
     shape = tuple(cai["shape"])
     itemsize = int(cai["typestr"][2:])
