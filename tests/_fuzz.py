@@ -89,10 +89,11 @@ class Case:
 
 @dataclass(frozen=True)
 class Sizes:
-    """The M and N a tier draws: mostly ``small`` (M up to max_m, N up to small_n), then
-    ``awkward`` N (M up to awkward_m), and rarely ``big`` N (M up to big_m)."""
+    """The M and N a tier draws: mostly ``small`` (M up to max_m, N up to small_n, or one of
+    small_n when it is a tuple: each N is a kernel to compile on the GPU), then ``awkward`` N
+    (M up to awkward_m), and rarely ``big`` N (M up to big_m)."""
     max_m: int
-    small_n: int
+    small_n: object
     awkward: tuple
     awkward_m: int
     big: tuple = ()
@@ -108,7 +109,9 @@ def cases(op, sizes, ops_with_strides=True):
         kinds = ["small"] * 6 + ["awkward"] * 3 + (["big"] if sizes.big else [])
         kind = draw(st.sampled_from(kinds))
         if kind == "small":
-            n, m = draw(st.integers(1, sizes.small_n)), draw(st.integers(1, sizes.max_m))
+            ns = (st.sampled_from(sizes.small_n) if isinstance(sizes.small_n, tuple)
+                  else st.integers(1, sizes.small_n))
+            n, m = draw(ns), draw(st.integers(1, sizes.max_m))
         elif kind == "awkward":
             n, m = draw(st.sampled_from(sizes.awkward)), draw(st.integers(1, sizes.awkward_m))
         else:

@@ -107,7 +107,7 @@ def guarded_outputs(guard_bytes=GUARD_BYTES):
         else:
             view_bytes.fill(poison_byte(dtype))
         out = buf[guard:guard + size].reshape(shape)
-        info = _arrays.describe(out, "out", dtype if dtype in _dtypes.HALF_DTYPES else None)
+        info = _arrays.describe(out, "out", dtype)   # storage read as dtype (uint8: float8)
         guards.append(Allocation(buf, dtype, tuple(shape), guard))
         return out, info
 
