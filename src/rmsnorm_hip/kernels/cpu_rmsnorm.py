@@ -1,10 +1,10 @@
 """CPU row kernels (numba CPU JIT, rows in parallel with ``prange``).
 
 A CPU row runs on one core, so the GPU's thread layout has no meaning here; the row math and the
-16-bit codecs are the same device helpers the GPU kernels use.  Division follows IEEE (numba's
-``error_model="numpy"``), as on the GPU: an all-zero row with eps = 0 gives NaN rather than
-raising ZeroDivisionError.  A row's sum of squares is kept in
+16-bit codecs are the same device helpers the GPU kernels use.  A row's sum of squares is kept in
 eight interleaved float32 partial sums combined pairwise, a fixed order that depends on N only.
+Division follows IEEE (numba's ``error_model="numpy"``), as on the GPU: an all-zero row with
+eps = 0 gives NaN rather than raising ZeroDivisionError.
 """
 import numba
 import numpy as np
