@@ -250,3 +250,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "sim" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The example counts of the hypothesis fuzz tests (user property ``fuzz_examples``; with
+    pytest-xdist the workers send them along with their reports)."""
+    rows = [(report.nodeid, value) for report in terminalreporter.stats.get("passed", [])
+            for key, value in getattr(report, "user_properties", ()) if key == "fuzz_examples"]
+    if not rows:
+        return
+    terminalreporter.write_sep("-", "fuzz examples run")
+    tiers = {}
+    for nodeid, count in sorted(rows):
+        terminalreporter.write_line(f"{count:6d}  {nodeid}")
+        tier = nodeid.split("::")[-1].split("[")[0]
+        tiers[tier] = tiers.get(tier, 0) + count
+    for tier, count in sorted(tiers.items()):
+        terminalreporter.write_line(f"{count:6d}  total {tier}")

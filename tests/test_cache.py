@@ -149,3 +149,70 @@ def test_sim_fused_switches_are_in_the_key(fresh, use_backend, rng):
     assert {(s.residual, s.quant, s.xscale) for s in specs} == {
         (True, "", ""), (False, "int8", ""), (False, "float8_e4m3fn", ""),
         (False, "int8", "float32"), (True, "int8", "")}
+
+
+def _slow(monkeypatch, module, name, seconds=0.3):
+    """Slows ``module.name`` (a kernel builder) down, to hold the race window open."""
+    build = getattr(module, name)
+
+    @functools.wraps(build)
+    def slow_build(*args):
+        time.sleep(seconds)
+        return build(*args)
+
+    monkeypatch.setattr(module, name, slow_build)
+
+
+@pytest.mark.parametrize("op", ["fwd", "fused", "fused_", "quant", "bwd"])
+def test_cpu_concurrent_first_calls_every_entry_point(fresh, monkeypatch, rng, op):
+    """8 threads make the first calls of one entry point at once, each on its own rows (3 to 10
+    of them) with one shared weight: every kernel key is built exactly once, and every thread's
+    result is within the contract of the float64 reference."""
+    from rmsnorm_hip import (_numerics, fused_add_rms_norm, fused_add_rms_norm_,
+                             rms_norm_backward, rms_norm_quant)
+    from rmsnorm_hip.reference import (fused_add_rms_norm_ref, rms_norm_backward_ref,
+                                       rms_norm_quant_ref, rms_norm_ref)
+    for name in ("make_cpu_rmsnorm_fwd", "make_cpu_fused_fwd", "make_cpu_rmsnorm_bwd"):
+        _slow(monkeypatch, cpu_rmsnorm, name)
+    n = 301
+    w = random_array(rng, n, "float32", loc=1.0, scale=0.1)
+    data = [tuple(random_array(rng, (3 + i, n), "bfloat16") for _ in range(3)) for i in range(8)]
+    slot = iter(range(8))
+    lock = threading.Lock()
+
+    def call():
+        with lock:
+            x, r, dy = data[next(slot)]
+        if op == "fwd":
+            return x, rms_norm(x, w)
+        if op == "fused":
+            return x, fused_add_rms_norm(x, r, w)[0]
+        if op == "fused_":
+            xc, rc = x.copy(), r.copy()
+            fused_add_rms_norm_(xc, rc, w)
+            return x, xc
+        if op == "quant":
+            return x, rms_norm_quant(x, w, residual=r, quant_dtype="float8_e4m3fn")
+        return x, rms_norm_backward(dy, x, w)
+
+    results = race(8, call)
+
+    assert len(fresh.builds) == 1 and list(fresh.builds.values()) == [1], fresh.builds
+    for x, out in results:
+        i = next(k for k, d in enumerate(data) if d[0] is x)
+        _, r, dy = data[i]
+        if op == "fwd":
+            ok = _numerics.within_contract(out, rms_norm_ref(x, w)[0], "bfloat16")[0]
+        elif op in ("fused", "fused_"):
+            ok = _numerics.within_contract(out, fused_add_rms_norm_ref(x, r, w)[0], "bfloat16")[0]
+        elif op == "quant":
+            q_ref, yscale_ref, _ = rms_norm_quant_ref(x, w, residual=r,
+                                                      quant_dtype="float8_e4m3fn")
+            ok = _numerics.quant_within_contract(out[0], out[1], q_ref, yscale_ref,
+                                                 "float8_e4m3fn")[0]
+        else:
+            dx_ref, dw_ref = rms_norm_backward_ref(dy, x, w)
+            s = abs(dy.astype(float) * w * rms_norm_ref(x)[1][:, None])
+            ok = (_numerics.dx_within_contract(out[0], dx_ref, s, "bfloat16")[0]
+                  and _numerics.dweight_within_contract(out[1], dw_ref, "float32"))
+        assert ok, f"thread on rows {x.shape[0]}: result outside the contract"

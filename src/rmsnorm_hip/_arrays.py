@@ -60,7 +60,7 @@ def describe(obj, name, reinterpret=None, fn="rmsnorm_hip"):
     ``fn`` names the calling entry point in errors."""
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
-        return _describe_torch(obj, torch, reinterpret)
+        return _describe_torch(obj, torch, reinterpret, name, fn)
     if isinstance(obj, np.ndarray):
         return _describe_numpy(obj, obj, "numpy", reinterpret)
     cupy = _cupy()
@@ -69,7 +69,7 @@ def describe(obj, name, reinterpret=None, fn="rmsnorm_hip"):
     if hasattr(obj, "__cuda_array_interface__"):
         return _from_cai(obj, "cai", obj.__cuda_array_interface__, None, reinterpret)
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        return _describe_dlpack(obj, reinterpret)
+        return _describe_dlpack(obj, reinterpret, name, fn)
     raise TypeError(f"{fn}: {name} must be a NumPy, CuPy or torch array, a "
                     f"__cuda_array_interface__ or DLPack object, got "
                     f"{type(obj).__module__}.{type(obj).__qualname__}")
@@ -94,11 +94,14 @@ def _torch_dtype_name(dtype, torch):
     return _TORCH_NAMES.get(dtype) or str(dtype).replace("torch.", "")
 
 
-def _describe_torch(t, torch, reinterpret):
+def _describe_torch(t, torch, reinterpret, arg="x", fn="rmsnorm_hip"):
     name = _torch_dtype_name(t.dtype, torch)
     if name == "uint16" and reinterpret in _dtypes.HALF_DTYPES:
         name = reinterpret
     dev = t.device
+    if dev.type not in ("cpu", "cuda"):   # ROCm torch calls its devices "cuda" too
+        raise ValueError(f"{fn}: {arg} must be on a CPU, CUDA or ROCm device, got torch device "
+                         f"{dev}")
     if dev.type == "cpu":
         host = None
         if name in _dtypes.STORAGE:
@@ -121,8 +124,11 @@ _TYPESTR = {"<f4": "float32", "<f2": "float16", "<u2": "uint16", "|i1": "int8", 
 
 
 def _from_cai(obj, lib, cai, device_index, reinterpret):
+    """``reinterpret``: the library dtype the storage holds (a caller's dtype= for uint16, or the
+    dtype :func:`empty` allocated, e.g. float8_e4m3fn in uint8)."""
     name = _TYPESTR.get(cai["typestr"], cai["typestr"])
-    if name == "uint16" and reinterpret in _dtypes.HALF_DTYPES:
+    storage = _dtypes.STORAGE.get(reinterpret)
+    if storage is not None and name == storage.name:
         name = reinterpret
     shape = tuple(cai["shape"])
     itemsize = int(cai["typestr"][2:])
@@ -186,11 +192,12 @@ _get_capsule_pointer.restype = ctypes.c_void_p
 _get_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-def _describe_dlpack(obj, reinterpret):
+def _describe_dlpack(obj, reinterpret, arg="x", fn="rmsnorm_hip"):
     dev_type, dev_id = obj.__dlpack_device__()
     device = _DLPACK_DEVICES.get(int(dev_type))
     if device is None:
-        raise TypeError(f"DLPack device type {dev_type} is not supported (CPU, CUDA or ROCm)")
+        raise ValueError(f"{fn}: {arg} must be on a CPU, CUDA or ROCm device (DLPack device type "
+                         f"1, 2, 3 or 10), got DLPack device type {int(dev_type)}")
     if device == CPU:
         arr = np.from_dlpack(obj)
         info = _describe_numpy(arr, obj, "dlpack", reinterpret)

@@ -86,24 +86,45 @@ def weight_dtypes(x_dtype):
     return (x_dtype,) if x_dtype == _dtypes.FLOAT32 else (x_dtype, _dtypes.FLOAT32)
 
 
-def eps(value, fn):
+def _real(value, fn, arg):
+    """``value`` as a Python float: a Python or NumPy real number, or anything else with
+    ``__float__`` that gives one (a 0-d array); TypeError naming ``arg`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        raise TypeError(f"{fn}: eps must be a float, got {type(value).__name__}")
-    value = float(value)
+        raise TypeError(f"{fn}: {arg} must be a float, got {type(value).__name__}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):   # a NumPy / torch array of more than one element
+        shape = tuple(getattr(value, "shape", ()))
+        raise TypeError(f"{fn}: {arg} must be a float, got {type(value).__name__} of shape "
+                        f"{shape}") from None
+
+
+def eps(value, fn):
+    value = _real(value, fn, "eps")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{fn}: eps must be a finite number >= 0, got {value}")
     return value
 
 
 def weight_offset(value, has_weight, fn):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        raise TypeError(f"{fn}: weight_offset must be a float, got {type(value).__name__}")
-    value = float(value)
+    value = _real(value, fn, "weight_offset")
     if not math.isfinite(value):
         raise ValueError(f"{fn}: weight_offset must be finite, got {value}")
     if not has_weight and value != 0.0:
         raise ValueError(f"{fn}: weight_offset must be 0.0 when weight is None, got {value}")
     return value
+
+
+def flag(value, fn, arg):
+    """A keyword switch (return_rstd, deterministic): a bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {arg} must be a bool, got {type(value).__name__}")
+
+
+def required(value, fn, arg):
+    """An array argument that has no default (residual of the fused add)."""
+    if value is None:
+        raise TypeError(f"{fn}: {arg} must be an array like x, got None")
 
 
 def reinterpret(dtype, fn):

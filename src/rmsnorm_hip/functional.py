@@ -57,6 +57,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
 def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
     fn = "rms_norm"
     reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
+    _validate.flag(return_rstd, fn, "return_rstd")
     wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
     eps = _validate.eps(eps, fn)
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
@@ -122,9 +123,11 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0,
     -------
     (y, residual_out), or (y, residual_out, rstd) — in x's library and on x's device.
     """
-    y, residual_out, rstd, _ = _fused_forward(
-        "fused_add_rms_norm", x, residual, weight, eps, weight_offset, dtype,
-        return_rstd=return_rstd)
+    fn = "fused_add_rms_norm"
+    _validate.flag(return_rstd, fn, "return_rstd")
+    _validate.required(residual, fn, "residual")
+    y, residual_out, rstd, _ = _fused_forward(fn, x, residual, weight, eps, weight_offset, dtype,
+                                              return_rstd=return_rstd)
     return (y, residual_out, rstd) if return_rstd else (y, residual_out)
 
 
@@ -133,6 +136,7 @@ def fused_add_rms_norm_(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0
     then ``x <- rms_norm(residual)``, in one pass with no temporaries; bitwise the out-of-place
     results.  x and residual must be writeable and must not overlap each other or weight.
     Returns None."""
+    _validate.required(residual, "fused_add_rms_norm_", "residual")
     _fused_forward("fused_add_rms_norm_", x, residual, weight, eps, weight_offset, dtype,
                    in_place=True)
 
@@ -248,8 +252,7 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, *, weight_offset=0.0, dresi
         dres_stride = _validate.like_x(dri, xi, fn, "dresidual")
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
     eps = _validate.eps(eps, fn)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"{fn}: deterministic must be a bool, got {type(deterministic).__name__}")
+    _validate.flag(deterministic, fn, "deterministic")
     backend = backends.for_array(xi, fn)
 
     _, dxi = _arrays.empty(xi, xi.shape, xi.dtype)

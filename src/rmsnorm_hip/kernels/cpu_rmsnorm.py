@@ -3,6 +3,8 @@
 A CPU row runs on one core, so the GPU's thread layout has no meaning here; the row math and the
 16-bit codecs are the same device helpers the GPU kernels use.  A row's sum of squares is kept in
 eight interleaved float32 partial sums combined pairwise, a fixed order that depends on N only.
+Division follows IEEE (numba's ``error_model="numpy"``), as on the GPU: an all-zero row with
+eps = 0 gives NaN rather than raising ZeroDivisionError.
 """
 import numba
 import numpy as np
@@ -83,7 +85,7 @@ def make_cpu_rmsnorm_fwd(intr, dtype, weight_dtype, parallel):
     row_sumsq = make_row_sumsq(intr, dtype)
     scale = make_scale(intr, dtype, weight_dtype)
 
-    @numba.njit(parallel=parallel, nogil=True)
+    @numba.njit(parallel=parallel, nogil=True, error_model="numpy")
     def rmsnorm_fwd(x, weight, y, rstd, eps, weight_offset, store_rstd):
         m, n = x.shape
         for i in prange(m):
@@ -111,7 +113,7 @@ def make_cpu_fused_fwd(intr, dtype, weight_dtype, parallel, has_residual, quant,
     scale = make_scale(intr, dtype, weight_dtype, xscale_dtype)
     max_nan = intr.max_nan
 
-    @numba.njit(parallel=parallel, nogil=True)
+    @numba.njit(parallel=parallel, nogil=True, error_model="numpy")
     def fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, eps, weight_offset,
                   store_rstd):
         m, n = x.shape
@@ -159,7 +161,7 @@ def make_cpu_rmsnorm_bwd(intr, dtype, weight_dtype, recompute_rstd, has_dres, pa
 
     row_dot = make_lane_sum(intr, x_times_wdy)
 
-    @numba.njit(parallel=parallel, nogil=True)
+    @numba.njit(parallel=parallel, nogil=True, error_model="numpy")
     def rmsnorm_bwd(dy, x, weight, rstd, dres, dx, partial, dweight, eps, weight_offset):
         m, n = x.shape
         groups = partial.shape[0]
