@@ -87,8 +87,8 @@ def _nan_outputs(monkeypatch):
 # (M, N, dtype, weight dtype, looped): multi-row (ragged), one row per block, the looped layout.
 # The looped layout is reached by lowering the register budget, so that a simulated block stays
 # small (the real threshold needs rows of more than 16384 elements: 1024-thread blocks).
-SIM_CASES = [(5, 127, "bfloat16", "bfloat16", False), (3, 1000, FLOAT32, FLOAT32, False),
-             (3, 1024, "float16", FLOAT32, False), (3, 1000, "bfloat16", FLOAT32, True),
+SIM_CASES = [(5, 127, "bfloat16", "bfloat16", False), (9, 128, "bfloat16", "bfloat16", False),
+             (3, 1000, FLOAT32, FLOAT32, False), (3, 1024, "float16", FLOAT32, False), (3, 1000, "bfloat16", FLOAT32, True),
              (3, 999, FLOAT32, FLOAT32, True)]
 
 

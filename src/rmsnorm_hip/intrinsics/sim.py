@@ -3,11 +3,14 @@ threads, one OS thread per GPU thread.  It has no warp shuffles, so ``shfl_xor``
 with a barrier per warp; the warp width is a parameter, so the AMD 64-lane wavefront logic runs on
 the CPU too.  Shuffles assume warp-uniform control flow, which is how the kernels use them.
 """
+import sys
 import threading
 from types import SimpleNamespace
 
 import numpy as np
 from numba import float32
+from numba import types as numba_types
+from numba.np import numpy_support
 
 from . import _shared
 
@@ -24,6 +27,35 @@ class _SimGpu:
 
     def __getattr__(self, name):
         return getattr(_kernel_module(), name)
+
+
+def _poison_shared_memory():
+    """The simulator's shared arrays start as np.empty (often zeros); real shared memory holds
+    whatever the last block left.  Fill each new allocation with 0xA5 bytes (a nonzero integer,
+    a finite negative float32) so a kernel that reads shared memory before writing it fails here
+    too.  Allocations stay keyed by the kernel's call site, as in numba's own method."""
+    from numba.cuda.simulator import kernelapi
+    shared = kernelapi.FakeCUDAShared
+    if getattr(shared.array, "_rmsnorm_hip_poisoned", False):
+        return
+    original = shared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, numba_types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        res = self._allocations.get(caller)
+        if res is None:
+            res = np.empty(shape, dtype)
+            res.view(np.uint8)[...] = 0xA5
+            res = self._allocations.setdefault(caller, res)
+        return res
+
+    array._rmsnorm_hip_poisoned = True
+    shared.array = array
 
 
 def _identity(fn=None, **_options):
@@ -114,6 +146,7 @@ def _make_shfl_xor(warp):
 
 
 def build(warp):
+    _poison_shared_memory()
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
     return SimpleNamespace(name="sim", warp=warp, gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
