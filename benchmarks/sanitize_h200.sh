@@ -84,6 +84,9 @@ for line in (out / "runs.txt").read_text().split("\n"):
     errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", log)]
     race = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", log)
     matrix = re.findall(r"SANITIZE_MATRIX (.*)", log)
+    # racecheck ends with a RACECHECK SUMMARY instead of an ERROR SUMMARY: its errors count
+    if not errors and race:
+        errors = [int(race[-1][1])]
     run = {"tool": tool, "matrix": mode, "exit_code": int(rc), "seconds": int(seconds),
            "errors": sum(errors) if errors else None, "log": f"{name}.log"}
     if race:
