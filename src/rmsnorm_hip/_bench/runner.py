@@ -48,6 +48,9 @@ def run(op="fwd", shapes=None, dtypes=None, json_path=None, plot_path=None, comp
     if op != "all" and op not in ops.OPS:
         raise ValueError(f"run: op must be 'all' or one of {sorted(ops.OPS)}, got {op!r}")
     target = targets.make_target(device, flush_mode=flush, iters=iters)
+    if target.name == "cpu" and device == "auto" and progress:
+        print("rmsnorm-hip bench: no CUDA GPU found (through torch): timing the CPU backend "
+              "against NumPy, wall-clock", file=sys.stderr, flush=True)
     if op == "all":
         return _run_all(target, shapes, dtypes, json_path, plot_path, compare, progress, iters,
                         flush, host_overhead, seed, print_table)
