@@ -294,15 +294,21 @@ def _assert_launched(launches, index, what):
         assert id(kernel) in own, f"{what}: {kernel.name} is not a cached cuda:{index} kernel"
 
 
+FUNCTIONAL = [CALLS[name] for name in ("rms_norm", "rms_norm_backward", "fused_add_rms_norm",
+                                        "fused_add_rms_norm_", "rms_norm_quant")]
+
+
 def test_kernel_cache_is_per_device(monkeypatch):
-    """n = 2560 is used by no other test: its kernels are built here, first for cuda:0."""
+    """n = 2560 is used by no other test: its kernels are built here, first for cuda:0, then
+    for cuda:1 with cuda:0's cached.  The five entry points build every kind of kernel (forward,
+    fused, quantised, backward, dweight reduction); the adapter runs the same ones."""
     launches = record_launches(monkeypatch)
     t0, t1 = inputs(0, n=2560), inputs(1, n=2560)
 
     def run_all(t, current):
         launches.clear()
         torch.cuda.set_device(current)
-        for fn in CALLS.values():
+        for fn in FUNCTIONAL:
             fn(t)
         torch.cuda.synchronize(t["x"].device)
         assert torch.cuda.current_device() == current
