@@ -500,6 +500,27 @@ def test_empty_batch():
     assert torch.equal(w.grad, torch.zeros(16)), "M = 0: dweight is N zeros"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_storages_stay_resizable(dtype):
+    """FSDP frees an unsharded parameter by resizing its storage to 0 after the forward (and
+    the backward): the CPU path must not leave the tensors it reads or returns non-resizable
+    (Tensor.numpy() does, for the storage's lifetime)."""
+    x = leaf(randn((4, 64), dtype, 1))
+    r = randn((4, 64), dtype, 2)
+    w = leaf(randn((64,), dtype, 3, loc=1.0))
+    y, residual_out = rt.fused_add_rms_norm(x, r, w, 1e-6)
+    z = rt.rms_norm(y, w)
+    (z.sum() + residual_out.sum()).backward()
+    q, yscale = rt.rms_norm_quant(z.detach(), w.detach())
+    for name, t in dict(x=x, r=r, w=w, y=y, residual_out=residual_out, z=z, dx=x.grad,
+                        dw=w.grad, q=q, yscale=yscale).items():
+        storage = t.untyped_storage()
+        size = storage.nbytes()
+        storage.resize_(0)          # raises "Trying to resize storage that is not resizable"
+        storage.resize_(size)
+        assert storage.nbytes() == size, name
+
+
 # ---- torch.library.opcheck for every custom op ---------------------------------------------------
 
 def opcheck_cases():

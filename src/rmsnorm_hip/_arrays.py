@@ -111,7 +111,10 @@ def _describe_torch(t, torch, reinterpret, arg="x", fn="rmsnorm_hip"):
                 view = view.view(torch.int16)
             elif storage == np.uint8:
                 view = view.view(torch.uint8)
-            host = view.numpy().view(storage)
+            # through DLPack, not Tensor.numpy(): numpy() marks the tensor's storage as not
+            # resizable for good, and FSDP frees an unsharded parameter by resizing its
+            # storage to 0 ("Trying to resize storage that is not resizable")
+            host = np.from_dlpack(view).view(storage)
         return ArrayInfo(t, "torch", t.data_ptr(), tuple(t.shape), tuple(t.stride()), name, CPU,
                          -1, host)
     kind = ROCM if getattr(torch.version, "hip", None) else CUDA

@@ -74,6 +74,15 @@ def _ctypes_launcher():
     return launch
 
 
+def _ctypes_current_context():
+    """``cuCtxGetCurrent`` through ctypes (its argument: the address of a CUcontext slot)."""
+    c = ctypes
+    get = c.CDLL("libcuda.so.1").cuCtxGetCurrent
+    get.restype = c.c_int
+    get.argtypes = [c.c_void_p]
+    return get
+
+
 class CudaKernel:
     def __init__(self, function, argtypes, ptx, name):
         self.function = function
@@ -115,6 +124,14 @@ class CudaBackend(GpuBackend):
         self._context = _check(driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
         self._context_id = int(self._context)
         self._launch = _ctypes_launcher()
+        # A function and a stream of this device's context launched while another device's
+        # context is current (tensors on cuda:1, cuda:0 current in torch / CuPy) fail with
+        # CUDA_ERROR_INVALID_HANDLE, so with several devices each launch checks the current
+        # context (~0.1 us through ctypes) and makes this one current around it if needed.
+        # With one device its primary context is the only one: no check.
+        self._single_device = _check(driver.cuDeviceGetCount(), "cuDeviceGetCount") == 1
+        self._get_current = _ctypes_current_context()
+        self._slots = threading.local()     # per thread: a CUcontext slot and its address
         super().__init__(intrinsics.load("cuda"))
 
     @contextmanager
@@ -169,8 +186,25 @@ class CudaBackend(GpuBackend):
                     "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return per_sm
 
+    def _current_context_id(self):
+        """This thread's current context as an int (0: none), through ctypes."""
+        slot = getattr(self._slots, "context", None)
+        if slot is None:
+            value = ctypes.c_void_p()
+            slot = self._slots.context = (value, ctypes.addressof(value))
+        err = self._get_current(slot[1])
+        if err:
+            _check(self._driver.CUresult(err), "cuCtxGetCurrent")
+        return slot[0].value or 0
+
     def launch(self, kernel, grid, block, args, stream):
         params = kernel.args.pack(args)
+        if not self._single_device and self._current_context_id() != self._context_id:
+            with self.current():
+                return self._launch_now(kernel, grid, block, params, stream)
+        self._launch_now(kernel, grid, block, params, stream)
+
+    def _launch_now(self, kernel, grid, block, params, stream):
         err = self._launch(kernel.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                            0, stream, params, None)
         if err:
