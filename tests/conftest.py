@@ -94,6 +94,22 @@ QUANT_EQUAL_PER_MILLE = 999
 QUANT_TIE = 1e-5
 
 
+def require_cuda_torch(min_devices=1):
+    """torch, for a GPU-tier module (call at import): skips the whole module, with the reason,
+    when the simulator is on in this process, torch is missing or fewer than ``min_devices``
+    CUDA GPUs are visible."""
+    if SIM_ENABLED:
+        pytest.skip("the simulator is on in this process (set NUMBA_ENABLE_CUDASIM=0 for the GPU "
+                    "tier)", allow_module_level=True)
+    torch = pytest.importorskip("torch")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < min_devices:
+        pytest.skip("no CUDA GPU" if min_devices == 1 else
+                    f"needs {min_devices} CUDA GPUs, torch.cuda.device_count() is {visible}",
+                    allow_module_level=True)
+    return torch
+
+
 def _f64(a):
     from rmsnorm_hip.reference import to_float64
     return to_float64(a)

@@ -5,22 +5,16 @@ arrays and plain DLPack objects.  Run with the simulator off:
 
 Skipped (with the reason) where there is no CUDA GPU or the simulator is on.
 """
-import os
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import DTYPES, assert_close, assert_quant_close
+from conftest import DTYPES, assert_close, assert_quant_close, require_cuda_torch
 
 pytestmark = pytest.mark.device
 
-if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-    pytest.skip("the simulator is on in this process (set NUMBA_ENABLE_CUDASIM=0 for the GPU tier)",
-                allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+torch = require_cuda_torch()
 
 import rmsnorm_hip  # noqa: E402
 from rmsnorm_hip import reference  # noqa: E402

@@ -4,21 +4,15 @@ workspaces, dweight bitwise from run to run, dx rows bitwise whatever M, stride 
 
     NUMBA_ENABLE_CUDASIM=0 python -m pytest -m device tests/test_device_backward.py
 """
-import os
 
 import numpy as np
 import pytest
 
-from conftest import DTYPES, assert_dweight, assert_dx
+from conftest import DTYPES, assert_dweight, assert_dx, require_cuda_torch
 
 pytestmark = pytest.mark.device
 
-if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-    pytest.skip("the simulator is on in this process (set NUMBA_ENABLE_CUDASIM=0 for the GPU tier)",
-                allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+torch = require_cuda_torch()
 
 import rmsnorm_hip  # noqa: E402
 from rmsnorm_hip import _arrays, reference  # noqa: E402

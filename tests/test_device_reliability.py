@@ -10,20 +10,15 @@ a few minutes, most of it compiling kernel variants (each N is its own kernel; t
 from a fixed list so that variants are shared).  ``-k "not huge"`` leaves out the 2**31-element
 test (~30 GB of device memory).
 """
-import os
 import threading
 
 import numpy as np
 import pytest
+from conftest import require_cuda_torch
 
 pytestmark = pytest.mark.device
 
-if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-    pytest.skip("the simulator is on in this process (set NUMBA_ENABLE_CUDASIM=0 for the GPU tier)",
-                allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+torch = require_cuda_torch()
 
 from _fuzz import (CONTIGUOUS, OPS, Case, CupyLib, Layout, Sizes, TorchLib,  # noqa: E402
                    cases, check_case)

@@ -20,21 +20,15 @@ On a machine with two GPUs:
 
     bash benchmarks/multi_gpu.sh        # log and JUnit XML under $OUT
 """
-import os
 import threading
 
 import pytest
 
 pytestmark = pytest.mark.device
 
-torch = pytest.importorskip("torch")
-_VISIBLE = torch.cuda.device_count()
-if _VISIBLE < 2:
-    pytest.skip(f"needs two CUDA GPUs, torch.cuda.device_count() is {_VISIBLE}",
-                allow_module_level=True)
-if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-    pytest.skip("the simulator is on in this process (set NUMBA_ENABLE_CUDASIM=0 for the GPU tier)",
-                allow_module_level=True)
+from conftest import require_cuda_torch  # noqa: E402
+
+torch = require_cuda_torch(min_devices=2)
 
 import _ddp  # noqa: E402
 import rmsnorm_hip  # noqa: E402
