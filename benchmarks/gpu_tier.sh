@@ -17,13 +17,16 @@ mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NUMBA_ENABLE_CUDASIM=0
 shards=${TIER_SHARDS:-10}
+# on a machine with several GPUs the shards take them in turn (TIER_GPUS=1 keeps one)
+gpus=${TIER_GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c ^GPU || echo 1)}
+[ "$gpus" -ge 1 ] 2>/dev/null || gpus=1
 limit=${TIER_TIMEOUT:-500}
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/test_device*.py)
-(timeout --signal=INT "$limit" python3 -m rmsnorm_hip check > "$LOGS/check.log" 2>&1
+(CUDA_VISIBLE_DEVICES=0 timeout --signal=INT "$limit" python3 -m rmsnorm_hip check > "$LOGS/check.log" 2>&1
  echo "check: $(tail -n 1 "$LOGS/check.log")" >> "$OUT/summary.txt") &
 for ((i = 0; i < shards; i++)); do
-    (RMSNORM_HIP_SHARD="$i/$shards" timeout --signal=INT "$limit" \
+    (CUDA_VISIBLE_DEVICES=$((i % gpus)) RMSNORM_HIP_SHARD="$i/$shards" timeout --signal=INT "$limit" \
         python3 -m pytest -q -m device -p no:cacheprovider -rfE --junitxml="$LOGS/shard$i.xml" \
         "${tests[@]}" > "$LOGS/shard$i.log" 2>&1
      echo "shard $i/$shards: $(tail -n 1 "$LOGS/shard$i.log")" >> "$OUT/summary.txt"
