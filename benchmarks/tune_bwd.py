@@ -3,7 +3,7 @@ flush before each call, as the benchmark measures it) under candidate settings o
 kernels/_config.py, patched here.  Prints one JSON line per (shape, setting) and writes them to
 --out (default $OUT or .)/tune_bwd.json.
 
-    PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings packed,unpacked,blocks1]
+    PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings prefetch,no_prefetch] [--dres]
 """
 import argparse
 import json
@@ -16,13 +16,15 @@ SETTINGS = {
     "unpacked": {"BWD_PACK_16BIT": False, "BWD_BLOCKS_PER_SM": 2},
     "packed_blocks1": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 1},
     "packed_blocks3": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 3},
+    "prefetch": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 2, "BWD_PREFETCH": True},
+    "no_prefetch": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 2, "BWD_PREFETCH": False},
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--settings", default="prefetch,no_prefetch")
     ap.add_argument("--dres", action="store_true", help="time the dresidual form")
     args = ap.parse_args()
 
@@ -64,7 +66,8 @@ def main():
         del x, dy, dres
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tune_bwd.json"), "w") as f:
+    name = "tune_bwd_dres.json" if args.dres else "tune_bwd.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(dict(copy_gbps=copy, dres=args.dres, rows=rows), f, indent=1)
 
 

@@ -35,18 +35,24 @@ def chunk_of(dtype):
     return _config.CHUNK_BYTES // (4 if dtype == "float32" else 2)
 
 
-def takes(flavor, n, dtype):
-    layout = _config.row_layout(n, dtype)
+def layout_of(n, dtype, quant=False):
+    """The forward's row layout: the quantised kernels have their own (more chunks a thread)."""
+    return _config.quant_row_layout(n, dtype) if quant else _config.row_layout(n, dtype)
+
+
+def takes(flavor, n, dtype, quant=False):
+    layout = layout_of(n, dtype, quant)
     return FLAVORS[flavor](layout, _config.rows_per_block(layout))
 
 
-def pick_n(flavor, dtype, vector):
-    """The smallest N taking ``flavor`` for ``dtype``: a whole number of 16-byte chunks when
-    ``vector`` (so aligned calls take the vector path), else one short of it (ragged: scalar)."""
+def pick_n(flavor, dtype, vector, quant=False):
+    """The smallest N taking ``flavor`` for ``dtype`` (in the quantised forward when ``quant``):
+    a whole number of 16-byte chunks when ``vector`` (so aligned calls take the vector path),
+    else one short of it (ragged: scalar)."""
     chunk = chunk_of(dtype)
     for k in range(1, 1 << 17):
         n = chunk * k if vector else chunk * k - 1
-        if takes(flavor, n, dtype):
+        if takes(flavor, n, dtype, quant):
             return n
     raise LookupError(f"no N takes the {flavor} path for {dtype} under kernels/_config's "
                       f"current heuristics: update tests/_paths.py")

@@ -157,13 +157,22 @@ def test_errors(rng, make, error, match):
 @pytest.mark.sim
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, dtype):
-    """x and dy kept as loaded words between the passes (the 16-bit cached vector path) run the
-    same float32 operations as the float-holding form."""
+    """x and dy kept as loaded words between the passes (the 16-bit cached vector path), with
+    and without the next row's words prefetched, run the same float32 operations as the
+    float-holding form.  The simulator's grid has at most 2 programs: 5 rows take each program
+    through several rows, the last prefetch past M."""
     use_backend("sim")
-    x, dy = random_array(rng, (3, 1024), dtype), random_array(rng, (3, 1024), dtype)
+    x, dy = random_array(rng, (5, 1024), dtype), random_array(rng, (5, 1024), dtype)
     w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
-    assert _config.bwd_spec(1024, dtype, dtype, True, True, False).packed
+    assert _config.bwd_spec(1024, dtype, dtype, True, True, False).prefetch
     packed = rms_norm_backward(dy, x, w)
+    assert_dweight(packed[1], rms_norm_backward_ref(dy, x, w, None)[1], dtype)
+    monkeypatch.setattr(_config, "BWD_PREFETCH", False)
+    spec = _config.bwd_spec(1024, dtype, dtype, True, True, False)
+    assert spec.packed and not spec.prefetch
+    unfetched = rms_norm_backward(dy, x, w)
+    assert_bitwise(packed[0], unfetched[0], "dx, prefetch vs not")
+    assert_bitwise(packed[1], unfetched[1], "dweight, prefetch vs not")
     monkeypatch.setattr(_config, "BWD_PACK_16BIT", False)
     assert not _config.bwd_spec(1024, dtype, dtype, True, True, False).packed
     plain = rms_norm_backward(dy, x, w)

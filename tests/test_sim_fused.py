@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from _paths import path_of, pick_n, takes
+from _paths import layout_of, path_of, pick_n, takes
 from conftest import (BFLOAT16, FLOAT16, FLOAT32, NUMPY, aligned_copy, assert_bitwise,
                       assert_close, assert_quant_close, random_array)
 from test_sim import launched_specs, sim  # noqa: F401  (sim is a fixture)
@@ -43,9 +43,10 @@ class FusedCase:
         return self.flavor.split("_")[0]
 
     def shape(self):
-        n = pick_n(self.flavor, self.dtype, self.vector)
-        assert takes(self.flavor, n, self.dtype), f"N={n} does not take {self.flavor}"
-        rows = _config.rows_per_block(_config.row_layout(n, self.dtype))
+        quant = bool(self.quant)
+        n = pick_n(self.flavor, self.dtype, self.vector, quant)
+        assert takes(self.flavor, n, self.dtype, quant), f"N={n} does not take {self.flavor}"
+        rows = _config.rows_per_block(layout_of(n, self.dtype, quant))
         return min(16, rows + 1) if self.path == "multirow" else 2 if self.path == "row" else 1, n
 
 
@@ -101,7 +102,7 @@ def run(be, case, x, residual, w, xscale):
 
 def check_case(be, rng, case):
     m, n = case.shape()
-    layout = _config.row_layout(n, case.dtype)
+    layout = layout_of(n, case.dtype, bool(case.quant))
     x, residual, w, xscale = make_inputs(rng, case, m, n)
     before = [a.copy() for a in (x, residual)]
 

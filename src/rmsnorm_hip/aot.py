@@ -254,9 +254,9 @@ def _file_stem(label):
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
 
 
-def _select(only):
+def _select(only, target):
     from .kernels import catalog
-    variants = list(catalog.variants())
+    variants = list(catalog.variants(target))
     if only:
         variants = [v for v in variants if any(s in v.label for s in only)]
     return variants
@@ -269,7 +269,7 @@ def _compile_shard(job):
     intr = intrinsics.load(target)
     compile_variant = amd_records if target == "hip" else cuda_records
     done = []
-    for index, variant in list(enumerate(_select(only)))[shard::shards]:
+    for index, variant in list(enumerate(_select(only, target)))[shard::shards]:
         try:
             records = compile_variant(variant, archs, intr, keep_dir)
         except Exception as e:  # reported per kernel; the run fails at the end

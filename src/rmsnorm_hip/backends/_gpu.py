@@ -15,6 +15,8 @@ class GpuBackend:
 
     def __init__(self, intrinsics):
         self.intrinsics = intrinsics
+        # whose tuning the launch geometry follows (kernels/_config); the simulator runs CUDA's
+        self.vendor = "hip" if intrinsics.name == "hip" else "cuda"
         self._plans = {}
         self._bwd_plans = {}
 
@@ -56,7 +58,7 @@ class GpuBackend:
         """(kernel, rows per block, block) of a variant key as fwd_kernels gives them."""
         plan = self._plans.get(key)
         if plan is None:
-            spec = _config.fwd_spec(*key)
+            spec = _config.fwd_spec(*key, vendor=self.vendor)
             kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
             plan = self._plans[key] = (kernel, spec.rows, (spec.layout.threads, spec.rows, 1))
         return plan

@@ -17,10 +17,14 @@ Names every GPU namespace provides
                                   round-to-nearest-even (NaN stays NaN; its bits may differ by backend)
 ``f32_to_i8``, ``f32_to_e4m3``     8-bit quantised levels: int8 (an int32 in [-127, 127]) and
                                   float8 e4m3fn bits (uint32), round-to-nearest-even, saturating
-                                  (+-127 / +-448); NaN -> 0 (int8) / NaN (e4m3fn)
+                                  (+-127 / +-448); NaN -> 0 (int8) / NaN (e4m3fn).  CUDA's int8
+                                  saturates at -128 for inputs below -127.5, which the quantiser
+                                  never passes
 ``load_b128``, ``store_b128``      16-byte global access at element ``i`` of a pointer: 4 x uint32
 ``store_b64``, ``store_b32``       8- / 4-byte global store of 2 / 1 uint32 (aligned to its size)
 ``max_nan``                       max of two floats where a NaN wins
+``max_abs``                       maxnum(acc, |v|): a running max|v| that ignores NaN
+``pack_e4m3x2``                    two float32 -> two e4m3fn levels in one uint32 (lo in bits 0-7)
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
                                   two <= warp), every lane gets the result (warp_max: NaN wins)
 ``atomic_add_f32``                 float32 atomic add at ``ptr[i]``

@@ -32,8 +32,18 @@ def is_pointer_index(ptr, idx):
     return isinstance(ptr, types.CPointer) and isinstance(idx, types.Integer)
 
 
-def define(intrinsic):
-    """The compiled intrinsics, registered with ``intrinsic`` (numba-cuda's or numba-hip's)."""
+def _float_function(module, name, arity):
+    """The float32 function ``name`` of ``module`` (declared on first use)."""
+    if name in module.globals:
+        return module.globals[name]
+    f32 = ir.FloatType()
+    return ir.Function(module, ir.FunctionType(f32, [f32] * arity), name)
+
+
+def define(intrinsic, fabs="llvm.fabs.f32", fmax="llvm.maxnum.f32"):
+    """The compiled intrinsics, registered with ``intrinsic`` (numba-cuda's or numba-hip's).
+    ``fabs``, ``fmax``: float32 |x| and maxnum by the names the target's IR accepts (libNVVM
+    rejects LLVM's generic ones and has its own)."""
 
     @intrinsic
     def f32_as_u32(typingctx, value):
@@ -139,7 +149,25 @@ def define(intrinsic):
 
         return types.float32(a, b, c), codegen
 
+    @intrinsic
+    def max_abs(typingctx, acc, value):
+        """maxnum(acc, |value|) (llvm.maxnum: one max instruction with an abs operand modifier on
+        both vendors).  A NaN ``value`` is ignored, unlike ``max_nan``: callers that must see NaN
+        rows detect them another way."""
+        if not (isinstance(acc, types.Float) and isinstance(value, types.Float)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[0], sig.args[0], types.float32)
+            f = context.cast(builder, args[1], sig.args[1], types.float32)
+            module = builder.module
+            maxnum, absolute = _float_function(module, fmax, 2), _float_function(module, fabs, 1)
+            return builder.call(maxnum, [a, builder.call(absolute, [f])])
+
+        return types.float32(acc, value), codegen
+
     return dict(f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
+                max_abs=max_abs,
                 store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
                 atomic_add_f32=atomic_add_f32)
 
@@ -210,3 +238,53 @@ def define_ptx_pack(intrinsic, instruction):
 
     return pack
 
+
+
+def define_ptx_quant(intrinsic, pack_e4m3x2_integer):
+    """NVIDIA's 8-bit conversions: ``f32_to_i8`` through ``cvt.rni.sat.s8.f32`` alone (round to
+    nearest even, NaN -> 0, saturating to [-128, 127]: the quantiser's |y / yscale| is at most
+    127 plus three float32 roundings, so -128 never arises and a clamp would cost an instruction
+    per element of an issue-bound kernel) and ``pack_e4m3x2`` through
+    ``cvt.rn.satfinite.e4m3x2.f32`` where the target has it (sm_89+), else the integer encoder
+    ``pack_e4m3x2_integer``.  Same levels as the integer forms for every non-NaN input."""
+
+    @intrinsic
+    def f32_to_i8(typingctx, value):
+        if not isinstance(value, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            f = context.cast(builder, args[0], sig.args[0], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(I32, [ir.FloatType()]),
+                               "cvt.rni.sat.s8.f32 $0, $1;", "=r,f", side_effect=False)
+            return builder.call(asm, [f])
+
+        return types.int32(value), codegen
+
+    @intrinsic
+    def pack_e4m3x2(typingctx, lo, hi):
+        if not (isinstance(lo, types.Float) and isinstance(hi, types.Float)):
+            return None
+        sig = types.uint32(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            if _target_cc() < (8, 9):
+                return context.compile_internal(builder, pack_e4m3x2_integer, sig, args)
+            low = context.cast(builder, args[0], sig.args[0], types.float32)
+            high = context.cast(builder, args[1], sig.args[1], types.float32)
+            i16 = ir.IntType(16)
+            asm = ir.InlineAsm(ir.FunctionType(i16, [ir.FloatType(), ir.FloatType()]),
+                               "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f",
+                               side_effect=False)
+            return builder.zext(builder.call(asm, [high, low]), I32)
+
+        return sig, codegen
+
+    return dict(f32_to_i8=f32_to_i8, pack_e4m3x2=pack_e4m3x2)
+
+
+def _target_cc():
+    """Compute capability being compiled for: numba-cuda asks ``get_current_device`` while it
+    lowers, which ahead-of-time builds answer with their target (backends.cuda._targeting)."""
+    from numba.cuda import dispatcher
+    return tuple(dispatcher.get_current_device().compute_capability)

@@ -107,6 +107,11 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
         return sign | bits
 
     @jitable
+    def pack_e4m3x2(lo, hi):
+        """Two float8 e4m3fn levels in one uint32 (lo in bits 0-7, hi in bits 8-15)."""
+        return f32_to_e4m3(lo) | (f32_to_e4m3(hi) << uint32(8))
+
+    @jitable
     def max_nan(a, b):
         """max(a, b) where a NaN wins, so a NaN row cannot hide behind a finite max."""
         if b > a or b != b:
@@ -132,5 +137,6 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
     return SimpleNamespace(bf16_to_f32=bf16_to_f32, f32_to_bf16=f32_to_bf16,
                            f16_to_f32=f16_to_f32, f32_to_f16=f32_to_f16,
                            pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2, f32_to_i8=f32_to_i8,
-                           f32_to_e4m3=f32_to_e4m3, max_nan=max_nan, warp_sum=warp_sum,
+                           f32_to_e4m3=f32_to_e4m3, pack_e4m3x2=pack_e4m3x2,
+                           max_nan=max_nan, warp_sum=warp_sum,
                            warp_max=warp_max)

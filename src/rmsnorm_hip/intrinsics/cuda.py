@@ -24,7 +24,7 @@ def _shfl_xor(value, offset):
 
 
 def build():
-    compiled = _llvm.define(intrinsic)
+    compiled = _llvm.define(intrinsic, fabs="llvm.nvvm.fabs.f", fmax="llvm.nvvm.fmax.f")
     shared = vars(_shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
                                 _shfl_xor))
     # hardware conversions: the integer forms cost ~15 ALU ops per element, which at H200 bandwidth
@@ -37,5 +37,15 @@ def build():
         return uint16(pack_bf16x2(value, float32(0.0)) & uint32(0xFFFF))
 
     shared.update(pack_bf16x2=pack_bf16x2, f32_to_bf16=f32_to_bf16)
+    # 8-bit levels in one conversion each, for the same reason (SmoothQuant int8 measured at
+    # 35-53% of copy with the integer encoders: benchmarks/NOTES.md)
+    quant = _llvm.define_ptx_quant(intrinsic, shared["pack_e4m3x2"])
+    pack_e4m3x2 = quant["pack_e4m3x2"]
+
+    @register_jitable
+    def f32_to_e4m3(value):  # the packed stores' instruction: one NaN pattern everywhere
+        return pack_e4m3x2(value, float32(0.0)) & uint32(0xFF)
+
+    shared.update(quant, f32_to_e4m3=f32_to_e4m3)
     return SimpleNamespace(name="cuda", warp=WARP, gpu=cuda, jitable=register_jitable,
                            **compiled, **shared)

@@ -16,6 +16,15 @@ MAX_THREADS = 1024          # per row
 #   bf16 chunks 2/3/4: 32768x4096 96/97/97, 4096x4096 83/85/84, 1024x8192 69/71/70
 #   fp32 4096x4096: 88/89/94
 CHUNKS_PER_THREAD = {2: 3, 4: 4}
+# quantised rows, by vendor.  NVIDIA: bound by instruction issue, not bandwidth (3 bytes per
+# element against the forward's 4, ~20 instructions per element), so 4 chunks per thread spread
+# the per-row work (reductions, rstd, index arithmetic) over 32 elements instead of 24 and at
+# N = 4096 fill the row exactly (128 x 4 chunks: no column checks); ptxas sm_90, bf16
+# SmoothQuant int8, main-path instructions per element: 23.1 at 3 chunks, 18.9 at 4
+# (benchmarks/NOTES.md).  AMD keeps 3: at 4 the gfx942/gfx950 main kernels take 68-101 VGPRs,
+# over the 64 that keep 8 waves per SIMD (aot.MAIN_KERNEL_MAX_VGPRS), and nothing measured there
+# says the trade pays.  The simulator runs the NVIDIA layouts.
+QUANT_CHUNKS_PER_THREAD = {"cuda": {2: 4, 4: 4}, "hip": {2: 3, 4: 4}}
 MAX_CACHED_FLOATS = 32      # row values a thread keeps in registers between the two passes
 # threads per block when a row needs fewer (several rows per block); >= 64 so AMD wavefronts
 # are full.  128 and 512 tied within 1 point at every shape on the H200 sweep.
@@ -65,6 +74,13 @@ def row_layout(n, dtype):
     return _layout(n, dtype, CHUNKS_PER_THREAD[_dtypes.ITEMSIZE[dtype]], MAX_CACHED_FLOATS)
 
 
+def quant_row_layout(n, dtype, vendor="cuda"):
+    """The quantised forward's per-row reduction shape: a function of ``n`` and ``dtype`` only on
+    a given vendor's GPUs."""
+    chunks = QUANT_CHUNKS_PER_THREAD[vendor][_dtypes.ITEMSIZE[dtype]]
+    return _layout(n, dtype, chunks, MAX_CACHED_FLOATS)
+
+
 def rows_per_block(layout):
     return max(1, BLOCK_THREADS // layout.threads)
 
@@ -82,6 +98,7 @@ class FwdSpec:
     residual: bool = False  # h = round(x + residual) is normalised and stored to residual_out
     quant: str = ""         # "int8" | "float8_e4m3fn": y quantised per row (q, yscale); "" not
     xscale: str = ""        # SmoothQuant scale dtype (float32 or x's), "" for none
+    exact: bool = False     # cached row, every chunk of every thread in it: no column checks
 
     @property
     def fused(self):
@@ -89,12 +106,19 @@ class FwdSpec:
         return self.residual or bool(self.quant) or bool(self.xscale)
 
 
-def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale=""):
-    """The forward kernel a call runs (the dispatcher's only decision for the forward)."""
-    layout = row_layout(n, dtype)
+def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale="",
+             vendor="cuda"):
+    """The forward kernel a call runs (the dispatcher's only decision for the forward) on a
+    ``vendor`` ("cuda" or "hip") GPU."""
+    layout = quant_row_layout(n, dtype, vendor) if quant else row_layout(n, dtype)
+    # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
+    # exactly threads x chunks; on AMD the branch-free row took the fp32 N = 4096 quantised
+    # kernel from 48 to 69 VGPRs (gfx942), over the 64-VGPR gate
+    exact = (vendor == "cuda" and bool(quant) and layout.cached and n % layout.chunk == 0
+             and layout.n_chunks == layout.threads * layout.chunks_per_thread)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
-                   xscale=xscale)
+                   xscale=xscale, exact=exact)
 
 
 # ---- backward ---------------------------------------------------------------------------------
@@ -111,6 +135,9 @@ BWD_REDUCE_GROUPS = 8
 # kernels/rmsnorm_bwd.py).  ptxas 13.5, sm_90, N=4096 bf16 (512 threads): 56 registers instead
 # of 69-77, so 2 blocks per SM instead of 1.
 BWD_PACK_16BIT = True
+# packed rows load the next row's words before reducing this one (two rows of loads in flight
+# per thread); see benchmarks/NOTES.md for the measurement
+BWD_PREFETCH = True
 
 
 def bwd_row_layout(n, dtype):
@@ -134,15 +161,19 @@ class BwdSpec:
     recompute_rstd: bool    # rstd from x (rstd=None) instead of the forward's
     dresidual: bool
     packed: bool = False    # x and dy kept as loaded 16-bit pairs between the passes
+    prefetch: bool = False  # packed rows: the next row's words loaded before this row's reduction
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
     layout = bwd_row_layout(n, dtype)
     packed = (BWD_PACK_16BIT and layout.cached and vector
               and _dtypes.ITEMSIZE[dtype] == 2)
+    # with rstd recomputed and dresidual too, the prefetch words take the kernel past 64
+    # registers (4 B spilled, ptxas 13.5, N = 4096 bf16 with weight): that pair goes without
+    both = recompute_rstd and dresidual
     return BwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
-                   packed=packed)
+                   packed=packed, prefetch=packed and BWD_PREFETCH and not both)
 
 
 def launch_bounds(spec):
@@ -155,7 +186,9 @@ def launch_bounds(spec):
     if not isinstance(spec, BwdSpec):
         return None, None
     threads = spec.layout.threads * spec.rows
-    blocks = min(BWD_BLOCKS_PER_SM, 2048 // threads) if spec.packed else 1
+    # 64 registers a thread leave room for 1024 threads per SM: a 1024-thread block asked to
+    # fit twice got 32 registers and spilled 100 bytes (ptxas, N = 8192 bf16)
+    blocks = min(BWD_BLOCKS_PER_SM, 1024 // threads) if spec.packed else 1
     return threads, (blocks if blocks > 1 else None)
 
 

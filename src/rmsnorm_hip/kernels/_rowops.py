@@ -200,6 +200,7 @@ def make_quant_store(intr, dtype, chunk, n, vector):
     encode = codec(intr, dtype)[1]
     signed = dtype == _dtypes.INT8
     store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
+    pack_e4m3x2 = intr.pack_e4m3x2
 
     @jitable
     def byte(vals, at, inv):
@@ -207,8 +208,13 @@ def make_quant_store(intr, dtype, chunk, n, vector):
 
     @jitable
     def word(vals, at, inv):
-        return (byte(vals, at, inv) | (byte(vals, at + 1, inv) << uint32(8))
-                | (byte(vals, at + 2, inv) << uint32(16)) | (byte(vals, at + 3, inv) << uint32(24)))
+        if signed:
+            return (byte(vals, at, inv) | (byte(vals, at + 1, inv) << uint32(8))
+                    | (byte(vals, at + 2, inv) << uint32(16))
+                    | (byte(vals, at + 3, inv) << uint32(24)))
+        # e4m3fn pairs: one conversion instruction per pair where the hardware has it
+        return (pack_e4m3x2(vals[at] * inv, vals[at + 1] * inv)
+                | (pack_e4m3x2(vals[at + 2] * inv, vals[at + 3] * inv) << uint32(16)))
 
     if vector:
         @jitable

@@ -63,7 +63,7 @@ def fwd_variants(ns=FWD_REPRESENTATIVE_N):
 FUSED_REPRESENTATIVE_N = (127, 1024, 4096, 65536)
 
 
-def fused_variants(ns=FUSED_REPRESENTATIVE_N):
+def fused_variants(ns=FUSED_REPRESENTATIVE_N, vendor="cuda"):
     """Per dtype, path and access form: one fused add and two of the four quantised kinds (int8 /
     fp8 x with / without residual), alternating between the vector and scalar forms of a path,
     with weight, rstd and xscale dtypes rotating over them: every switch appears on every path
@@ -75,7 +75,7 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N):
             for vector in ([True, False] if n % layout.chunk == 0 else [False]):
                 def spec(weight, store_rstd, residual, quant="", xscale=""):
                     return _config.fwd_spec(n, dtype, weight, vector, store_rstd, residual,
-                                            quant, xscale)
+                                            quant, xscale, vendor)
                 if vector or n % layout.chunk:      # the vector form, or a ragged N's only form
                     specs = [("fused_add", spec(dtype, True, True)),
                              ("quant", spec(dtype, False, False, _dtypes.INT8, wide)),
@@ -107,7 +107,8 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N):
                       rmsnorm_bwd.reduce_argtypes(weight))
 
 
-def variants():
+def variants(vendor="cuda"):
+    """Every variant a ``vendor`` ("cuda" or "hip") GPU may launch."""
     yield from fwd_variants()
-    yield from fused_variants()
+    yield from fused_variants(vendor=vendor)
     yield from bwd_variants()

@@ -56,6 +56,10 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # way: packed and unpacked rows give the same bits.
     packed = spec.packed
     words = per_thread * 4 if packed else 1
+    # prefetch (packed rows): the next row's words are loaded before this row's reduction, so
+    # each thread has two rows' loads in flight instead of one
+    prefetch = spec.prefetch
+    next_words = words if prefetch else 1
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     row_sum, warps_per_row = make_row_sum(intr, threads)
@@ -76,6 +80,19 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         else:
             for e in range(chunk):
                 wv[slot + e] = float32(0.0)
+
+    @jitable
+    def load_row_words(x, dy, row, m, x_stride, dy_stride, tx, xw, dw):
+        """This thread's chunks of row ``row`` of x and dy as loaded words (zeros past M)."""
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if row < m and col0 < n:
+                load_words(x, row * x_stride, col0, xw, k * 4)
+                load_words(dy, row * dy_stride, col0, dw, k * 4)
+            else:
+                for e in range(4):
+                    xw[k * 4 + e] = uint32(0)
+                    dw[k * 4 + e] = uint32(0)
 
     @jitable
     def weighted(dv, wv, slot, wslot, weight_offset, out):
@@ -99,6 +116,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         rv = gpu.local.array(chunk, float32)   # dresidual
         xw = gpu.local.array(words, uint32)    # packed x and dy (see ``packed``)
         dw = gpu.local.array(words, uint32)
+        xn = gpu.local.array(next_words, uint32)   # the next row's (see ``prefetch``)
+        dn = gpu.local.array(next_words, uint32)
         xt = gpu.local.array(chunk, float32)   # one decoded chunk of packed x / dy
         dt = gpu.local.array(chunk, float32)
         # a zero the compiler cannot prove: pass 2 decodes the packed words XORed with it, so no
@@ -127,11 +146,15 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         # keeps those loops rolled; unrolled, their loads spill (seen on gfx942 at N=65536)
         trips = per_thread if cached else per_thread + (m >> 63)
         parity = 0
+        if prefetch:
+            load_row_words(x, dy, program * rows + ty, m, x_stride, dy_stride, tx, xw, dw)
         for it in range(iters):
             row = (program + it * programs) * rows + ty
             live = row < m
             x_start = row * x_stride
             dy_start = row * dy_stride
+            if prefetch:
+                load_row_words(x, dy, row + step, m, x_stride, dy_stride, tx, xn, dn)
             # pass 1: sum(x * wdy) and, when recomputing rstd, sum(x * x)
             s = float32(0.0)
             ss = float32(0.0)
@@ -139,13 +162,14 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 col0 = (tx + k * threads) * chunk
                 slot = k * chunk if cached else 0
                 if packed:
-                    if live and col0 < n:
-                        load_words(x, x_start, col0, xw, k * 4)
-                        load_words(dy, dy_start, col0, dw, k * 4)
-                    else:
-                        for e in range(4):
-                            xw[k * 4 + e] = uint32(0)
-                            dw[k * 4 + e] = uint32(0)
+                    if not prefetch:
+                        if live and col0 < n:
+                            load_words(x, x_start, col0, xw, k * 4)
+                            load_words(dy, dy_start, col0, dw, k * 4)
+                        else:
+                            for e in range(4):
+                                xw[k * 4 + e] = uint32(0)
+                                dw[k * 4 + e] = uint32(0)
                     words_to_floats(xw[k * 4], xw[k * 4 + 1], xw[k * 4 + 2], xw[k * 4 + 3],
                                     xt, 0)
                     words_to_floats(dw[k * 4], dw[k * 4 + 1], dw[k * 4 + 2], dw[k * 4 + 3],
@@ -206,6 +230,10 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                                     ws[ws_start + col0 + e] = fma(dv[e], x_hat,
                                                                   ws[ws_start + col0 + e])
                         store(dx, dx_start, col0, out, 0)
+            if prefetch:
+                for e in range(words):
+                    xw[e] = xn[e]
+                    dw[e] = dn[e]
         if cached and has_weight:
             for k in range(per_thread):
                 col0 = (tx + k * threads) * chunk

@@ -55,6 +55,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     layout = spec.layout
     n, chunk, threads = layout.n, layout.chunk, layout.threads
     per_thread, cached, rows = layout.chunks_per_thread, layout.cached, spec.rows
+    full = spec.exact           # every chunk of every thread lies in the row: no column checks
     cache_len = per_thread * chunk if cached else chunk
     has_weight, store_rstd = bool(spec.weight), spec.store_rstd
     has_residual, quant, has_xscale = spec.residual, spec.quant, bool(spec.xscale)
@@ -67,7 +68,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     row_max = make_row_max(intr, threads)[0]
     store_q = make_quant_store(intr, quant, chunk, n, spec.vector) if quant else None
     load_x, store_y, load_w, load_s = x_io.load, x_io.store, w_io.load, s_io.load
-    max_nan = intr.max_nan
+    max_abs = intr.max_abs
     decode, encode, _ = codec(intr, spec.dtype)
     round_x = spec.dtype != _dtypes.FLOAT32     # float32 h needs no second rounding
     n_f32 = float32(n)
@@ -98,7 +99,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         the compiler may not move loads across (the arrays may alias)."""
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
-            if live and col0 < n:
+            if live and (full or col0 < n):
                 load_x(x, x_start, col0, vals, k * chunk)
                 if has_residual:
                     load_x(residual, r_start, col0, rvals, k * chunk)
@@ -111,18 +112,18 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             for k in range(per_thread):
                 col0 = (tx + k * threads) * chunk
                 add_residual(vals, k * chunk, rvals, k * chunk)
-                if live and col0 < n:
+                if live and (full or col0 < n):
                     store_y(residual_out, ro_start, col0, vals, k * chunk)
 
     @jitable
-    def sumsq_row(x, residual, x_start, r_start, live, tx, vals, rvals):
+    def sumsq_row(x, residual, x_start, r_start, live, tx, trips, vals, rvals):
         """This thread's share of the row's sum of squares (loading chunks when not cached)."""
         acc = float32(0.0)
-        for k in range(per_thread):
+        for k in range(trips):
             slot = k * chunk if cached else 0
             if not cached:
                 col0 = (tx + k * threads) * chunk
-                if live and col0 < n:
+                if live and (full or col0 < n):
                     load_h(x, residual, x_start, r_start, col0, vals, 0, rvals)
                 else:
                     for e in range(chunk):
@@ -156,11 +157,11 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
 
     @jitable
     def finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
-                   ro_start, tx, r, weight_offset, vals, rvals, wvals, svals):
+                   ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, svals):
         """Last pass of a live row: scale this thread's chunks and store them."""
-        for k in range(per_thread):
+        for k in range(trips):
             col0 = (tx + k * threads) * chunk
-            if col0 < n:
+            if full or col0 < n:
                 slot = k * chunk if cached else 0
                 if not cached:
                     reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals,
@@ -169,30 +170,31 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 store_y(y, y_start, col0, vals, slot)
 
     @jitable
-    def amax_row(x, residual, weight, xscale, x_start, r_start, tx, r, weight_offset, vals,
+    def amax_row(x, residual, weight, xscale, x_start, r_start, tx, trips, r, weight_offset, vals,
                  rvals, wvals, svals):
         """A quantised row's middle pass: y of this thread's chunks (kept in vals when cached)
-        and their max|y| (ragged columns hold 0)."""
+        and their max|y| (ragged columns hold 0).  The max ignores NaN (one instruction per
+        element): a row holding NaN or Inf is caught by its sum of squares instead (forward)."""
         amax = float32(0.0)
-        for k in range(per_thread):
+        for k in range(trips):
             col0 = (tx + k * threads) * chunk
-            if col0 < n:
+            if full or col0 < n:
                 slot = k * chunk if cached else 0
                 if not cached:
                     load_h(x, residual, x_start, r_start, col0, vals, slot, rvals)
                 scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals)
                 for e in range(chunk):
-                    amax = max_nan(amax, abs(vals[slot + e]))
+                    amax = max_abs(amax, vals[slot + e])
         return amax
 
     @jitable
     def quantise_row(x, residual, weight, xscale, q, residual_out, x_start, r_start, q_start,
-                     ro_start, tx, r, weight_offset, inv, vals, rvals, wvals, svals):
+                     ro_start, tx, trips, r, weight_offset, inv, vals, rvals, wvals, svals):
         """A quantised row's last pass: q = y * inv in 8-bit levels (looped layouts recompute y
         with amax_row's operations, so the same bits)."""
-        for k in range(per_thread):
+        for k in range(trips):
             col0 = (tx + k * threads) * chunk
-            if col0 < n:
+            if full or col0 < n:
                 slot = k * chunk if cached else 0
                 if not cached:
                     reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals,
@@ -211,9 +213,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         r_start = row * r_stride
         ro_start = row * ro_stride
         y_start = row * y_stride
+        # looped rows walk their chunks with a trip count the compiler cannot see (m >> 63 is
+        # 0): unrolled, their loads were hoisted and spilled (gfx942, N = 65536)
+        trips = per_thread if cached else per_thread + (m >> 63)
         if cached:
             load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals)
-        acc = sumsq_row(x, residual, x_start, r_start, live, tx, vals, rvals)
+        acc = sumsq_row(x, residual, x_start, r_start, live, tx, trips, vals, rvals)
         total = row_sum(acc, red, 0, ty, tx)
         r = float32(1.0) / math.sqrt(total / n_f32 + eps)
         if store_rstd and live and tx == 0:
@@ -221,19 +226,21 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         if quant:
             amax = float32(0.0)
             if live:
-                amax = amax_row(x, residual, weight, xscale, x_start, r_start, tx, r,
+                amax = amax_row(x, residual, weight, xscale, x_start, r_start, tx, trips, r,
                                 weight_offset, vals, rvals, wvals, svals)
             amax = row_max(amax, red, 1, ty, tx)
+            if not math.isfinite(total):
+                amax = total * float32(0.0)     # NaN: a row holding NaN / Inf says so in yscale
             scale = float32(1.0) if amax == float32(0.0) else amax / qmax
             if live:
                 if tx == 0:
                     yscale[row] = scale
                 quantise_row(x, residual, weight, xscale, y, residual_out, x_start, r_start,
-                             y_start, ro_start, tx, r, weight_offset, float32(1.0) / scale, vals,
-                             rvals, wvals, svals)
+                             y_start, ro_start, tx, trips, r, weight_offset, float32(1.0) / scale,
+                             vals, rvals, wvals, svals)
         elif live:
             finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
-                       ro_start, tx, r, weight_offset, vals, rvals, wvals, svals)
+                       ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, svals)
 
     def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
         red = gpu.shared.array((n_red, rows, warps_per_row), float32)
