@@ -4,15 +4,18 @@ switches of the same row body (``FwdSpec.residual`` / ``quant`` / ``xscale``).
     h     = round(x + residual)  if residual, else x   (float32 add, one rounding to x's dtype)
     rstd  = 1 / sqrt(mean(h**2) + eps)                 per row, float32
     y     = (h * rstd) * (weight + weight_offset)      one rounding to y's dtype
-quantised (y never rounded before it):
-    y     = (h * rstd) * (weight + weight_offset) * xscale
-    yscale = max|y| / QMAX (1 for an all-zero row);   q = clamp(rne(y * (1 / yscale)))
+quantised (y never rounded before it; t is y without rstd, float32):
+    t     = h * (weight + weight_offset) * xscale,     y = t * rstd
+    yscale = rstd * max|t| / QMAX  (max|y| / QMAX up to float32 rounding; 1 for an all-zero row)
+    q     = clamp(rne(t * (rstd / yscale)))          (rne((t * rstd) / yscale) where
+                                                     rstd / yscale overflows)
 
 Blocks of ``threads x rows`` threads (blockDim = (threads, rows)); thread ``t`` of a row owns
 chunks ``t, t + threads, ...``.  Pass 1 loads them, sums their squares and reduces across the
-row; the last pass scales and stores them.  A quantised row has a pass in between that takes the
-row's max|y| (a second reduction), so q is written only once the whole row is known.  Cached
-layouts keep the row (h) in registers between the passes and store residual_out once all their
+row; the last pass scales and stores them.  A quantised row takes max|t| in pass 1 too and
+reduces it in the same round as the sum of squares (one barrier), so q is written only once the
+whole row is known.  Cached
+layouts keep the row (h, or t when quantised) in registers between the passes and store residual_out once all their
 loads are issued; looped ones re-read x (and residual) in every pass and store residual_out in
 the last.  No pass reads what the kernel wrote, and each thread reads a chunk before it writes
 that chunk and nothing else, so ``y`` may be ``x`` and ``residual_out`` ``residual`` (the
@@ -26,7 +29,8 @@ from numba import float32, int64, types
 
 from .. import _dtypes
 from ._config import FwdSpec
-from ._rowops import ChunkIO, codec, make_chunk_sumsq, make_quant_store, make_row_max, make_row_sum
+from ._rowops import (ChunkIO, codec, make_chunk_sumsq, make_quant_store, make_row_sum,
+                      make_row_sum_max)
 
 
 def argtypes(spec: FwdSpec):
@@ -65,7 +69,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     s_io = ChunkIO(intr, spec.xscale or _dtypes.FLOAT32, chunk, n, spec.vector)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     row_sum, warps_per_row = make_row_sum(intr, threads)
-    row_max = make_row_max(intr, threads)[0]
+    row_sum_max = make_row_sum_max(intr, threads)
     store_q = make_quant_store(intr, quant, chunk, n, spec.vector) if quant else None
     load_x, store_y, load_w, load_s = x_io.load, x_io.store, w_io.load, s_io.load
     max_abs = intr.max_abs
@@ -73,7 +77,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     round_x = spec.dtype != _dtypes.FLOAT32     # float32 h needs no second rounding
     n_f32 = float32(n)
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
-    n_red = 2 if quant else 1                   # sum, then max: one shared buffer each
+    n_red = 2 if quant else 1                   # sum and max: one shared buffer each
 
     @jitable
     def add_residual(vals, slot, rvals, rslot):
@@ -170,37 +174,72 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 store_y(y, y_start, col0, vals, slot)
 
     @jitable
-    def amax_row(x, residual, weight, xscale, x_start, r_start, tx, trips, r, weight_offset, vals,
-                 rvals, wvals, svals):
-        """A quantised row's middle pass: y of this thread's chunks (kept in vals when cached)
-        and their max|y| (ragged columns hold 0).  The max ignores NaN (one instruction per
-        element): a row holding NaN or Inf is caught by its sum of squares instead (forward)."""
+    def weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals, svals):
+        """vals[slot:] <- t = h * (weight + weight_offset) [* xscale] for one chunk: the
+        quantiser's y before the row's rstd (y = t * rstd)."""
+        if has_weight:
+            load_w(weight, 0, col0, wvals, 0)
+        if has_xscale:
+            load_s(xscale, 0, col0, svals, 0)
+        for e in range(chunk):
+            v = vals[slot + e]
+            if has_weight:
+                v = v * (wvals[e] + weight_offset)
+            if has_xscale:
+                v = v * svals[e]
+            vals[slot + e] = v
+
+    @jitable
+    def sumsq_amax_row(x, residual, weight, xscale, x_start, r_start, live, tx, trips,
+                       weight_offset, vals, rvals, wvals, svals):
+        """A quantised row's pass before its one reduction: this thread's share of sum(h**2)
+        (the same operations as sumsq_row) and max|t| over its chunks, t kept in vals when
+        cached.  max_abs ignores NaN: a row holding NaN / Inf is caught by its sum of squares."""
+        acc = float32(0.0)
         amax = float32(0.0)
         for k in range(trips):
             col0 = (tx + k * threads) * chunk
-            if full or col0 < n:
-                slot = k * chunk if cached else 0
-                if not cached:
-                    load_h(x, residual, x_start, r_start, col0, vals, slot, rvals)
-                scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals)
+            slot = k * chunk if cached else 0
+            here = live and (full or col0 < n)
+            if not cached:
+                if here:
+                    load_h(x, residual, x_start, r_start, col0, vals, 0, rvals)
+                else:
+                    for e in range(chunk):
+                        vals[e] = float32(0.0)
+            acc += chunk_sumsq(vals, slot)
+            if here:
+                weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals, svals)
                 for e in range(chunk):
                     amax = max_abs(amax, vals[slot + e])
-        return amax
+        return acc, amax
 
-    @jitable
-    def quantise_row(x, residual, weight, xscale, q, residual_out, x_start, r_start, q_start,
-                     ro_start, tx, trips, r, weight_offset, inv, vals, rvals, wvals, svals):
-        """A quantised row's last pass: q = y * inv in 8-bit levels (looped layouts recompute y
-        with amax_row's operations, so the same bits)."""
-        for k in range(trips):
-            col0 = (tx + k * threads) * chunk
-            if full or col0 < n:
-                slot = k * chunk if cached else 0
-                if not cached:
-                    reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals,
-                             slot, rvals, True)
-                    scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals)
-                store_q(q, q_start, col0, vals, slot, inv)
+    def make_quantise_row(through_y):
+        @jitable
+        def quantise_row(x, residual, weight, xscale, q, residual_out, x_start, r_start, q_start,
+                         ro_start, tx, trips, weight_offset, r, s, vals, rvals, wvals, svals):
+            """A quantised row's last pass: q = t * s in 8-bit levels, s = rstd / yscale; or
+            ``through_y``, q = (t * rstd) * s with s = 1 / yscale.  Looped layouts recompute t
+            with sumsq_amax_row's operations, so the same bits."""
+            for k in range(trips):
+                col0 = (tx + k * threads) * chunk
+                if full or col0 < n:
+                    slot = k * chunk if cached else 0
+                    if not cached:
+                        reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0,
+                                 vals, slot, rvals, True)
+                        weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals,
+                                    svals)
+                    if through_y:
+                        for e in range(chunk):
+                            vals[slot + e] = vals[slot + e] * r
+                    store_q(q, q_start, col0, vals, slot, s)
+
+        return quantise_row
+
+    # two copies rather than a select per element: ptxas predicates a per-element multiply,
+    # which costs its issue slot on every row
+    quantise_row, quantise_row_through_y = make_quantise_row(False), make_quantise_row(True)
 
     @jitable
     def forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
@@ -218,27 +257,38 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         trips = per_thread if cached else per_thread + (m >> 63)
         if cached:
             load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals)
+        if quant:
+            # one reduction round for both: yscale = rstd * max|t| / QMAX is max|y| / QMAX up to
+            # float32 rounding (y = t * rstd), and the row needs no second barrier
+            acc, amax = sumsq_amax_row(x, residual, weight, xscale, x_start, r_start, live, tx,
+                                       trips, weight_offset, vals, rvals, wvals, svals)
+            total, amax = row_sum_max(acc, amax, red, ty, tx)
+            r = float32(1.0) / math.sqrt(total / n_f32 + eps)
+            scale = amax * r / qmax
+            if not math.isfinite(total):
+                scale = total * float32(0.0)    # NaN: a row holding NaN / Inf says so in yscale
+            elif scale == float32(0.0):
+                scale = float32(1.0)            # an all-zero row (or one that underflows)
+            if live:
+                if tx == 0:
+                    yscale[row] = scale
+                inv = float32(1.0) / scale
+                s = r * inv
+                if math.isfinite(s):
+                    quantise_row(x, residual, weight, xscale, y, residual_out, x_start, r_start,
+                                 y_start, ro_start, tx, trips, weight_offset, r, s, vals, rvals,
+                                 wvals, svals)
+                else:   # max|t| below ~1e-36 (subnormal rows): rstd / yscale overflows
+                    quantise_row_through_y(x, residual, weight, xscale, y, residual_out, x_start,
+                                           r_start, y_start, ro_start, tx, trips, weight_offset,
+                                           r, inv, vals, rvals, wvals, svals)
+            return
         acc = sumsq_row(x, residual, x_start, r_start, live, tx, trips, vals, rvals)
         total = row_sum(acc, red, 0, ty, tx)
         r = float32(1.0) / math.sqrt(total / n_f32 + eps)
         if store_rstd and live and tx == 0:
             rstd[row] = r
-        if quant:
-            amax = float32(0.0)
-            if live:
-                amax = amax_row(x, residual, weight, xscale, x_start, r_start, tx, trips, r,
-                                weight_offset, vals, rvals, wvals, svals)
-            amax = row_max(amax, red, 1, ty, tx)
-            if not math.isfinite(total):
-                amax = total * float32(0.0)     # NaN: a row holding NaN / Inf says so in yscale
-            scale = float32(1.0) if amax == float32(0.0) else amax / qmax
-            if live:
-                if tx == 0:
-                    yscale[row] = scale
-                quantise_row(x, residual, weight, xscale, y, residual_out, x_start, r_start,
-                             y_start, ro_start, tx, trips, r, weight_offset, float32(1.0) / scale,
-                             vals, rvals, wvals, svals)
-        elif live:
+        if live:
             finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
                        ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, svals)
 
