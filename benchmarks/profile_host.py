@@ -1,6 +1,10 @@
 """Host-side profile of repeat calls (cProfile), to find where per-call host time goes.
 
-    PYTHONPATH=src python3 benchmarks/profile_host.py [--op bwd|fwd|fused|quant] [--m 32]
+    PYTHONPATH=src python3 benchmarks/profile_host.py [--op bwd|fwd|fused|quant|autograd|eager]
+                                                      [--m 32]
+
+``autograd``: a fwd+bwd step through rmsnorm_hip.torch.rms_norm (``y.backward(dy)``, grads reset
+each step); ``eager``: the same step through torch's F.rms_norm, for comparison.
 """
 import argparse
 import cProfile
@@ -22,7 +26,18 @@ def main():
     dy, r = torch.randn_like(x), torch.randn_like(x)
     w = torch.ones(args.n, device="cuda", dtype=torch.bfloat16)
     rstd = rmsnorm_hip.rms_norm(x, w, return_rstd=True)[1]
-    call = {"bwd": lambda: rmsnorm_hip.rms_norm_backward(dy, x, w, rstd),
+    import rmsnorm_hip.torch as rt
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def step(forward):
+        def run():
+            xg.grad = wg.grad = None
+            forward(xg, wg).backward(dy)
+        return run
+
+    eager = step(lambda a, b: torch.nn.functional.rms_norm(a, (args.n,), b, 1e-6))
+    call = {"autograd": step(lambda a, b: rt.rms_norm(a, b, 1e-6)), "eager": eager,
+            "bwd": lambda: rmsnorm_hip.rms_norm_backward(dy, x, w, rstd),
             "fwd": lambda: rmsnorm_hip.rms_norm(x, w),
             "fused": lambda: rmsnorm_hip.fused_add_rms_norm(x, r, w),
             "quant": lambda: rmsnorm_hip.rms_norm_quant(x, w)}[args.op]
@@ -41,7 +56,9 @@ def main():
         call()
     profile.disable()
     torch.cuda.synchronize()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+    stats = pstats.Stats(profile)
+    stats.sort_stats("tottime").print_stats(22)
+    stats.sort_stats("cumulative").print_stats(22)
 
 
 if __name__ == "__main__":

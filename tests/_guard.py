@@ -92,7 +92,7 @@ class _NoRunners(dict):
 def guarded_outputs(guard_bytes=GUARD_BYTES):
     """Yields a :class:`Guards` list that collects every allocation made in the block."""
     guards = Guards()
-    empty, runners = _arrays.empty, functional._fwd_runners
+    empty, runners = _arrays.empty, (functional._fwd_runners, functional._bwd_runners)
 
     def guarded_empty(like, shape, dtype):
         if like.lib not in ("numpy", "torch", "cupy"):
@@ -112,9 +112,9 @@ def guarded_outputs(guard_bytes=GUARD_BYTES):
         return out, info
 
     _arrays.empty = guarded_empty
-    functional._fwd_runners = _NoRunners()
+    functional._fwd_runners = functional._bwd_runners = _NoRunners()
     try:
         yield guards
     finally:
         _arrays.empty = empty
-        functional._fwd_runners = runners
+        functional._fwd_runners, functional._bwd_runners = runners

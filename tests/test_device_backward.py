@@ -15,14 +15,17 @@ pytestmark = pytest.mark.device
 torch = require_cuda_torch()
 
 import rmsnorm_hip  # noqa: E402
-from rmsnorm_hip import _arrays, reference  # noqa: E402
+from _guard import _NoRunners  # noqa: E402
+from rmsnorm_hip import _arrays, functional, reference  # noqa: E402
 from test_device import SHAPES, TORCH, host, inputs, misaligned_copy, raw  # noqa: E402
 
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """Every output and workspace the library allocates starts as NaN bytes (0xFF)."""
+    """Every output and workspace the library allocates starts as NaN bytes (0xFF); repeat-call
+    runners (which allocate on their own) are neither used nor kept."""
     real = _arrays.empty
+    monkeypatch.setattr(functional, "_bwd_runners", _NoRunners())
 
     def empty(like, shape, dtype):
         out, info = real(like, shape, dtype)
@@ -110,6 +113,53 @@ def test_backward_on_a_side_stream_and_leading_dims():
     stream.synchronize()
     assert got[0].shape == x.shape
     assert torch.equal(raw(got[0]), raw(expected[0])) and torch.equal(raw(got[1]), raw(expected[1]))
+
+
+def shifted_copy(t):
+    """t's values, contiguous (same strides) but starting one element past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 8, device=t.device, dtype=t.dtype)
+    out = buf[1:1 + t.numel()].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("weight,given_rstd,dres", [("same", True, False), (None, True, False),
+                                                    ("float32", False, True)])
+def test_backward_repeat_calls_take_the_runner(monkeypatch, weight, given_rstd, dres):
+    """The first call validates and builds a runner; repeat calls with the same metadata run it:
+    bitwise the validated call's results, also from a misaligned copy (the scalar kernel, chosen
+    per call) and on a side stream."""
+    monkeypatch.setattr(functional, "_bwd_runners", {})
+    m, n = 32, 4096
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = None if weight is None else (1 + 0.1 * torch.randn(n, device="cuda")).to(
+        torch.bfloat16 if weight == "same" else torch.float32)
+    rstd = rmsnorm_hip.rms_norm(x, None, 1e-6, return_rstd=True)[1] if given_rstd else None
+    dr = torch.randn_like(x) if dres else None
+    first = rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dr)
+    assert len(functional._bwd_runners) == 1, "the validated call builds one runner"
+    again = rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dr)
+    x_odd, dy_odd = shifted_copy(x), shifted_copy(dy)
+    assert x_odd.stride() == x.stride() and x_odd.data_ptr() % 16
+    odd = rmsnorm_hip.rms_norm_backward(dy_odd, x_odd, w, rstd, dresidual=dr)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        side = rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dr)
+    stream.synchronize()
+    assert len(functional._bwd_runners) == 1, "repeat calls add no runner"
+    for what, got in (("repeat", again), ("misaligned", odd), ("side stream", side)):
+        assert torch.equal(raw(got[0]), raw(first[0])), f"dx, {what}"
+        if w is None:
+            assert got[1] is None
+        else:
+            assert torch.equal(raw(got[1]), raw(first[1])), f"dweight, {what}"
+    ref_dx, ref_dw = reference.rms_norm_backward_ref(
+        host(dy), host(x), None if w is None else host(w),
+        None if rstd is None else host(rstd), dresidual=None if dr is None else host(dr))
+    r64 = reference.rms_norm_ref(host(x), None, 1e-6)[1]
+    assert_dx(host(again[0]), host(dy), host(x), None if w is None else host(w), r64, ref_dx,
+              "bfloat16")
 
 
 def test_backward_cupy_bfloat16_as_uint16():

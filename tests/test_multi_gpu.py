@@ -209,6 +209,7 @@ def record_launches(monkeypatch):
     """(device index, kernel, stream) of every CudaBackend launch from now on.  The forward's
     repeat-call runners keep the launch method they were built with: emptied first."""
     monkeypatch.setattr(functional, "_fwd_runners", {})
+    monkeypatch.setattr(functional, "_bwd_runners", {})
     launches = []
     original = CudaBackend.launch
 

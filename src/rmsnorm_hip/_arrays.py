@@ -308,25 +308,29 @@ def _contiguous(shape):
 # per key (functional.py caches a runner under it); a repeat call then only reads pointers,
 # allocates its outputs and launches.  torch and CuPy device arrays have a cheap key.
 
-def fast_key(x, weight, flags):
-    """Hashable key of a call's metadata, or None when ``x`` has no fast path."""
+def fast_key(x, weight, flags, others=()):
+    """Hashable key of a call's metadata (x, weight and the ``others`` arrays, each or None), or
+    None when ``x`` has no fast path."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         if not x.is_cuda:
             return None
-        if weight is None:
-            w_key = None
-        elif isinstance(weight, torch.Tensor):
-            w_key = (weight.dtype, weight.shape, weight.stride(), weight.get_device())
-        else:
-            w_key = (type(weight), id(weight))   # never planned: full validation rejects it
-        return (x.dtype, x.shape, x.stride(), x.get_device(), w_key, flags)
+
+        def key_of(a):
+            if a is None:
+                return None
+            if isinstance(a, torch.Tensor):
+                return (a.dtype, a.shape, a.stride(), a.get_device())
+            return (type(a), id(a))   # never planned: full validation rejects it
+        return (x.dtype, x.shape, x.stride(), x.get_device(), key_of(weight),
+                tuple(key_of(a) for a in others), flags)
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
-        w_key = (None if weight is None else
-                 (weight.dtype, weight.shape, weight.strides, weight.device.id)
-                 if isinstance(weight, cupy.ndarray) else (type(weight), id(weight)))
-        return ("cupy", x.dtype, x.shape, x.strides, x.device.id, w_key, flags)
+        def key_of(a):
+            return (None if a is None else (a.dtype, a.shape, a.strides, a.device.id)
+                    if isinstance(a, cupy.ndarray) else (type(a), id(a)))
+        return ("cupy", x.dtype, x.shape, x.strides, x.device.id, key_of(weight),
+                tuple(key_of(a) for a in others), flags)
     return None
 
 

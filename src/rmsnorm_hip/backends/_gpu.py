@@ -144,6 +144,54 @@ class GpuBackend:
         plan = self._bwd_plans[key] = (spec, kernel, reduce, per_sm)
         return plan
 
+    def bwd_runner(self, io, shape, m, n, strides, dtype, weight_dtype, has_rstd, has_dres):
+        """``run(dy, x, weight, rstd, dresidual, eps, weight_offset) -> (dx, dweight)`` for
+        repeat calls with this metadata (m > 0): the plans, the grid and the workspace shape are
+        decided here, once; a call reads pointers, allocates its outputs and launches."""
+        itemsize = _dtypes.ITEMSIZE[dtype]
+        strides_ok = (n * itemsize) % _ALIGN == 0 and all(
+            (st * itemsize) % _ALIGN == 0 for st in strides)
+        mask = _ALIGN_MASK if strides_ok else 0
+        launches = {}
+
+        def launch_plan(vector):
+            key = (n, dtype, weight_dtype, vector, not has_rstd, has_dres)
+            spec, kernel, reduce, per_sm = self._bwd_plans.get(key) or self._bwd_plan(key)
+            programs = _config.bwd_programs(spec, m, self.sm_count, per_sm)
+            columns, groups = _config.BWD_REDUCE_COLUMNS, _config.BWD_REDUCE_GROUPS
+            plan = (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1),
+                    io.allocator((programs * spec.rows, n), _dtypes.FLOAT32), reduce,
+                    ((n + columns - 1) // columns, 1, 1), (columns, groups, 1),
+                    programs * spec.rows)
+            return launches.setdefault(vector, plan)
+
+        alloc_dx = io.allocator(shape, dtype)
+        alloc_dw = io.allocator((n,), weight_dtype) if weight_dtype else None
+        ptr, stream, launch = io.ptr, io.stream, self.launch
+        dy_stride, x_stride, dres_stride, dx_stride = strides
+
+        def run(dy, x, weight, rstd, dres, eps, weight_offset):
+            dx = alloc_dx()
+            dw = alloc_dw() if alloc_dw is not None else None
+            dy_ptr, x_ptr, dx_ptr = ptr(dy), ptr(x), ptr(dx)
+            w_ptr = 0 if weight is None else ptr(weight)
+            dres_ptr = 0 if dres is None else ptr(dres)
+            vector = bool(mask) and not (dy_ptr | x_ptr | dx_ptr | w_ptr | dres_ptr) & mask
+            (kernel, grid, block, alloc_ws, reduce, reduce_grid, reduce_block,
+             ws_rows) = launches.get(vector) or launch_plan(vector)
+            ws = alloc_ws() if dw is not None else None
+            ws_ptr = 0 if ws is None else ptr(ws)
+            s = stream()
+            launch(kernel, grid, block,
+                   (dy_ptr, x_ptr, w_ptr, 0 if rstd is None else ptr(rstd), dres_ptr, dx_ptr,
+                    ws_ptr, m, dy_stride, x_stride, dres_stride, dx_stride, eps, weight_offset),
+                   s)
+            if dw is not None:
+                launch(reduce, reduce_grid, reduce_block, (ws_ptr, ptr(dw), ws_rows, n), s)
+            return dx, dw
+
+        return run
+
     def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
                      weight_offset, workspace):
         """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo,
