@@ -155,9 +155,9 @@ def test_errors(rng, make, error, match):
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, dtype):
-    """x and dy kept as loaded words between the passes (the 16-bit cached vector path), with
+    """x and dy kept as loaded words between the passes (the cached vector path), with
     and without the next row's words prefetched, run the same float32 operations as the
     float-holding form.  The simulator's grid has at most 2 programs: 5 rows take each program
     through several rows, the last prefetch past M."""
@@ -173,7 +173,8 @@ def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, d
     unfetched = rms_norm_backward(dy, x, w)
     assert_bitwise(packed[0], unfetched[0], "dx, prefetch vs not")
     assert_bitwise(packed[1], unfetched[1], "dweight, prefetch vs not")
-    monkeypatch.setattr(_config, "BWD_PACK_16BIT", False)
+    monkeypatch.setattr(_config, "BWD_PACK_16BIT" if dtype != FLOAT32 else "BWD_PACK_32BIT",
+                        False)
     assert not _config.bwd_spec(1024, dtype, dtype, True, True, False).packed
     plain = rms_norm_backward(dy, x, w)
     assert_bitwise(packed[0], plain[0], "dx")

@@ -135,6 +135,9 @@ BWD_REDUCE_GROUPS = 8
 # kernels/rmsnorm_bwd.py).  ptxas 13.5, sm_90, N=4096 bf16 (512 threads): 56 registers instead
 # of 69-77, so 2 blocks per SM instead of 1.
 BWD_PACK_16BIT = True
+# float32 rows take the same form (their words are the floats themselves: nothing saved, but the
+# prefetch below comes with it)
+BWD_PACK_32BIT = True
 # packed rows load the next row's words before reducing this one (two rows of loads in flight
 # per thread); see benchmarks/NOTES.md for the measurement
 BWD_PREFETCH = True
@@ -166,8 +169,8 @@ class BwdSpec:
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
     layout = bwd_row_layout(n, dtype)
-    packed = (BWD_PACK_16BIT and layout.cached and vector
-              and _dtypes.ITEMSIZE[dtype] == 2)
+    itemsize = _dtypes.ITEMSIZE[dtype]
+    packed = layout.cached and vector and (BWD_PACK_16BIT if itemsize == 2 else BWD_PACK_32BIT)
     # with rstd recomputed and dresidual too, the prefetch words take the kernel past 64
     # registers (4 B spilled, ptxas 13.5, N = 4096 bf16 with weight): that pair goes without
     both = recompute_rstd and dresidual
