@@ -38,7 +38,10 @@ DEVICE_SHAPES = ((32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024
 EPS = 1e-6
 DTYPE = torch.bfloat16
 FLUSH_BYTES = 256 << 20
-SLEEP_CYCLES = 200_000          # ~100 us at H200 clocks: lets the host queue the step ahead
+# ~2 ms at H200 clocks: lets the host queue the whole step ahead.  The 2026-11-29 run used
+# ~100 us, less than an autograd step's host time (150-800 us), so its device times for the
+# autograd paths include the GPU waiting for the host; the functional row was unaffected.
+SLEEP_CYCLES = 4_000_000
 
 
 # ---- implementations: forward functions for autograd, and the autograd-free floor ----------------

@@ -21,10 +21,11 @@ CHUNKS_PER_THREAD = {2: 3, 4: 4}
 # the per-row work (reductions, rstd, index arithmetic) over 32 elements instead of 24 and at
 # N = 4096 fill the row exactly (128 x 4 chunks: no column checks); ptxas sm_90, bf16
 # SmoothQuant int8, main-path instructions per element: 23.1 at 3 chunks, 18.9 at 4
-# (benchmarks/NOTES.md).  AMD keeps 3: at 4 the gfx942/gfx950 main kernels take 68-101 VGPRs,
-# over the 64 that keep 8 waves per SIMD (aot.MAIN_KERNEL_MAX_VGPRS), and nothing measured there
-# says the trade pays.  The simulator runs the NVIDIA layouts.
-QUANT_CHUNKS_PER_THREAD = {"cuda": {2: 4, 4: 4}, "hip": {2: 3, 4: 4}}
+# (benchmarks/NOTES.md).  AMD takes 2 for 16-bit rows: the one-round quantised row (t, weight
+# and xscale live across the reduction) took 66-68 VGPRs on gfx942/gfx950 at 3 and 68-101 at 4,
+# over the 64 that keep 8 waves per SIMD (aot.MAIN_KERNEL_MAX_VGPRS); nothing measured there says
+# the trade would pay.  The simulator runs the NVIDIA layouts.
+QUANT_CHUNKS_PER_THREAD = {"cuda": {2: 4, 4: 4}, "hip": {2: 2, 4: 4}}
 MAX_CACHED_FLOATS = 32      # row values a thread keeps in registers between the two passes
 # threads per block when a row needs fewer (several rows per block); >= 64 so AMD wavefronts
 # are full.  128 and 512 tied within 1 point at every shape on the H200 sweep.
