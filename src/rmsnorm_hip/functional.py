@@ -46,13 +46,17 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
         key = _arrays.fast_key(x, weight, (return_rstd, _environ.get(backends.ENV)))
         if key is not None:
             run = _fwd_runners.get(key)
-            # scalars a runner may take as they are; anything else goes through full validation
-            if (run is not None and type(eps) is float and 0.0 <= eps < _INF
-                    and type(weight_offset) is float and -_INF < weight_offset < _INF
-                    and (weight is not None or weight_offset == 0.0)):
+            if run is not None and _plain_scalars(eps, weight_offset, weight):
                 return run(x, weight, eps, weight_offset)
             return _rms_norm(x, weight, eps, weight_offset, None, return_rstd, None, key)
     return _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, None)
+
+
+def _plain_scalars(eps, weight_offset, weight):
+    """Whether a repeat-call runner may take these scalars as they are (anything else goes
+    through full validation, which raises or converts)."""
+    return (type(eps) is float and 0.0 <= eps < _INF and type(weight_offset) is float
+            and -_INF < weight_offset < _INF and (weight is not None or weight_offset == 0.0))
 
 
 def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
@@ -242,9 +246,7 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, *, weight_offset=0.0, dresi
         key = _arrays.fast_key(x, weight, (_environ.get(backends.ENV),), (dy, rstd, dresidual))
         if key is not None:
             run = _bwd_runners.get(key)
-            if (run is not None and type(eps) is float and 0.0 <= eps < _INF
-                    and type(weight_offset) is float and -_INF < weight_offset < _INF
-                    and (weight is not None or weight_offset == 0.0)
+            if (run is not None and _plain_scalars(eps, weight_offset, weight)
                     and type(deterministic) is bool):
                 return run(dy, x, weight, rstd, dresidual, eps, weight_offset)
             return _rms_norm_backward(dy, x, weight, rstd, weight_offset, dresidual,

@@ -40,16 +40,22 @@ class GpuBackend:
 
     # ---- forward -------------------------------------------------------------------------
     @staticmethod
+    def _rows_aligned(n, dtype, strides):
+        """Whether rows of ``n`` elements at these row strides may take a vector kernel (the
+        pointers permitting, which is decided per call)."""
+        itemsize = _dtypes.ITEMSIZE[dtype]
+        return all((v * itemsize) % _ALIGN == 0 for v in (n,) + tuple(strides))
+
+    @staticmethod
     def fwd_kernels(n, dtype, weight_dtype, store_rstd, x_stride, y_stride=None, *,
                     more_strides=(), fused=()):
         """(vector key or None, scalar key): the two variants a call may take; the vector one
         when the strides allow it, chosen per call when the pointers are 16-byte aligned too.
         ``fused``: (residual, quant, xscale) of a fused variant (FwdSpec), with the row strides
         of its other arrays in ``more_strides`` (in x's elements)."""
-        itemsize = _dtypes.ITEMSIZE[dtype]
         y_stride = n if y_stride is None else y_stride
-        strides_ok = all((v * itemsize) % _ALIGN == 0
-                         for v in (n, x_stride, y_stride) + tuple(more_strides))
+        strides_ok = GpuBackend._rows_aligned(n, dtype,
+                                              (x_stride, y_stride) + tuple(more_strides))
         scalar = (n, dtype, weight_dtype, False, store_rstd) + tuple(fused)
         vector = (n, dtype, weight_dtype, True, store_rstd) + tuple(fused)
         return (vector if strides_ok else None), scalar
@@ -144,26 +150,28 @@ class GpuBackend:
         plan = self._bwd_plans[key] = (spec, kernel, reduce, per_sm)
         return plan
 
+    def _bwd_launch_shape(self, key, m):
+        """(kernel, grid, block, dweight reduction kernel, its grid, its block, workspace rows)
+        of a backward call of ``m`` rows."""
+        spec, kernel, reduce, per_sm = self._bwd_plans.get(key) or self._bwd_plan(key)
+        programs = _config.bwd_programs(spec, m, self.sm_count, per_sm)
+        columns, groups = _config.BWD_REDUCE_COLUMNS, _config.BWD_REDUCE_GROUPS
+        return (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1), reduce,
+                ((spec.layout.n + columns - 1) // columns, 1, 1), (columns, groups, 1),
+                programs * spec.rows)
+
     def bwd_runner(self, io, shape, m, n, strides, dtype, weight_dtype, has_rstd, has_dres):
         """``run(dy, x, weight, rstd, dresidual, eps, weight_offset) -> (dx, dweight)`` for
         repeat calls with this metadata (m > 0): the plans, the grid and the workspace shape are
         decided here, once; a call reads pointers, allocates its outputs and launches."""
-        itemsize = _dtypes.ITEMSIZE[dtype]
-        strides_ok = (n * itemsize) % _ALIGN == 0 and all(
-            (st * itemsize) % _ALIGN == 0 for st in strides)
-        mask = _ALIGN_MASK if strides_ok else 0
+        mask = _ALIGN_MASK if self._rows_aligned(n, dtype, strides) else 0
         launches = {}
 
         def launch_plan(vector):
-            key = (n, dtype, weight_dtype, vector, not has_rstd, has_dres)
-            spec, kernel, reduce, per_sm = self._bwd_plans.get(key) or self._bwd_plan(key)
-            programs = _config.bwd_programs(spec, m, self.sm_count, per_sm)
-            columns, groups = _config.BWD_REDUCE_COLUMNS, _config.BWD_REDUCE_GROUPS
-            plan = (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1),
-                    io.allocator((programs * spec.rows, n), _dtypes.FLOAT32), reduce,
-                    ((n + columns - 1) // columns, 1, 1), (columns, groups, 1),
-                    programs * spec.rows)
-            return launches.setdefault(vector, plan)
+            shape_ = self._bwd_launch_shape(
+                (n, dtype, weight_dtype, vector, not has_rstd, has_dres), m)
+            alloc_ws = io.allocator((shape_[-1], n), _dtypes.FLOAT32)
+            return launches.setdefault(vector, shape_ + (alloc_ws,))
 
         alloc_dx = io.allocator(shape, dtype)
         alloc_dw = io.allocator((n,), weight_dtype) if weight_dtype else None
@@ -177,10 +185,9 @@ class GpuBackend:
             w_ptr = 0 if weight is None else ptr(weight)
             dres_ptr = 0 if dres is None else ptr(dres)
             vector = bool(mask) and not (dy_ptr | x_ptr | dx_ptr | w_ptr | dres_ptr) & mask
-            (kernel, grid, block, alloc_ws, reduce, reduce_grid, reduce_block,
-             ws_rows) = launches.get(vector) or launch_plan(vector)
-            ws = alloc_ws() if dw is not None else None
-            ws_ptr = 0 if ws is None else ptr(ws)
+            (kernel, grid, block, reduce, reduce_grid, reduce_block, ws_rows,
+             alloc_ws) = launches.get(vector) or launch_plan(vector)
+            ws_ptr = 0 if dw is None else ptr(alloc_ws())
             s = stream()
             launch(kernel, grid, block,
                    (dy_ptr, x_ptr, w_ptr, 0 if rstd is None else ptr(rstd), dres_ptr, dx_ptr,
@@ -196,26 +203,22 @@ class GpuBackend:
                      weight_offset, workspace):
         """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo,
         allocated per call on the caller's device (and stream, through its library)."""
-        itemsize = _dtypes.ITEMSIZE[x.dtype]
-        rows_ = [a for a in (dy, x, dres, dx) if a is not None]
-        vector = ((n * itemsize) % _ALIGN == 0
-                  and all((st * itemsize) % _ALIGN == 0 for st in strides)
-                  and not (weight is not None and weight.ptr & _ALIGN_MASK)
-                  and not any(a.ptr & _ALIGN_MASK for a in rows_))
+        pointers = 0
+        for info in (dy, x, dres, dx, weight):
+            pointers |= info.ptr if info is not None else 0
+        vector = self._rows_aligned(n, x.dtype, strides) and not pointers & _ALIGN_MASK
         wdtype = weight.dtype if weight is not None else ""
-        key = (n, x.dtype, wdtype, vector, rstd is None, dres is not None)
-        spec, kernel, reduce, per_sm = self._bwd_plans.get(key) or self._bwd_plan(key)
-        programs = _config.bwd_programs(spec, m, self.sm_count, per_sm)
-        ws = workspace((programs * spec.rows, n)) if weight is not None else None
+        (kernel, grid, block, reduce, reduce_grid, reduce_block,
+         ws_rows) = self._bwd_launch_shape(
+            (n, x.dtype, wdtype, vector, rstd is None, dres is not None), m)
+        ws = workspace((ws_rows, n)) if weight is not None else None
         stream = self.stream_for(x)
         f32 = _dtypes.FLOAT32
-        self.launch(kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1),
+        self.launch(kernel, grid, block,
                     (self.arg(dy, x.dtype), self.arg(x, x.dtype), self.arg(weight, f32),
                      self.arg(rstd, f32), self.arg(dres, x.dtype), self.arg(dx, x.dtype),
                      self.arg(ws, f32), m, strides[0], strides[1], strides[2], strides[3], eps,
                      weight_offset), stream)
         if weight is not None:
-            columns, groups = _config.BWD_REDUCE_COLUMNS, _config.BWD_REDUCE_GROUPS
-            self.launch(reduce, ((n + columns - 1) // columns, 1, 1), (columns, groups, 1),
-                        (self.arg(ws, f32), self.arg(dweight, wdtype), programs * spec.rows, n),
-                        stream)
+            self.launch(reduce, reduce_grid, reduce_block,
+                        (self.arg(ws, f32), self.arg(dweight, wdtype), ws_rows, n), stream)

@@ -228,16 +228,24 @@ def define_ptx_pack(intrinsic, instruction):
             return None
 
         def codegen(context, builder, sig, args):
-            low = context.cast(builder, args[0], sig.args[0], types.float32)
-            high = context.cast(builder, args[1], sig.args[1], types.float32)
-            fnty = ir.FunctionType(I32, [ir.FloatType(), ir.FloatType()])
-            asm = ir.InlineAsm(fnty, f"{instruction} $0, $1, $2;", "=r,f,f", side_effect=False)
-            return builder.call(asm, [high, low])
+            return _ptx_pair(context, builder, sig, args, instruction, 32)
 
         return types.uint32(lo, hi), codegen
 
     return pack
 
+
+def _ptx_pair(context, builder, sig, args, instruction, bits):
+    """uint32 of one PTX ``cvt`` packing float32 args (lo, hi) into ``bits`` bits; PTX puts its
+    first source operand in the upper part, so hi goes first."""
+    low = context.cast(builder, args[0], sig.args[0], types.float32)
+    high = context.cast(builder, args[1], sig.args[1], types.float32)
+    result = ir.IntType(bits)
+    asm = ir.InlineAsm(ir.FunctionType(result, [ir.FloatType(), ir.FloatType()]),
+                       f"{instruction} $0, $1, $2;", f"={'r' if bits == 32 else 'h'},f,f",
+                       side_effect=False)
+    packed = builder.call(asm, [high, low])
+    return packed if bits == 32 else builder.zext(packed, I32)
 
 
 def define_ptx_quant(intrinsic, pack_e4m3x2_integer):
@@ -270,13 +278,7 @@ def define_ptx_quant(intrinsic, pack_e4m3x2_integer):
         def codegen(context, builder, sig, args):
             if _target_cc() < (8, 9):
                 return context.compile_internal(builder, pack_e4m3x2_integer, sig, args)
-            low = context.cast(builder, args[0], sig.args[0], types.float32)
-            high = context.cast(builder, args[1], sig.args[1], types.float32)
-            i16 = ir.IntType(16)
-            asm = ir.InlineAsm(ir.FunctionType(i16, [ir.FloatType(), ir.FloatType()]),
-                               "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f",
-                               side_effect=False)
-            return builder.zext(builder.call(asm, [high, low]), I32)
+            return _ptx_pair(context, builder, sig, args, "cvt.rn.satfinite.e4m3x2.f32", 16)
 
         return sig, codegen
 

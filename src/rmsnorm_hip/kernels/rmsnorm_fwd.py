@@ -14,10 +14,9 @@ Blocks of ``threads x rows`` threads (blockDim = (threads, rows)); thread ``t`` 
 chunks ``t, t + threads, ...``.  Pass 1 loads them, sums their squares and reduces across the
 row; the last pass scales and stores them.  A quantised row takes max|t| in pass 1 too and
 reduces it in the same round as the sum of squares (one barrier), so q is written only once the
-whole row is known.  Cached
-layouts keep the row (h, or t when quantised) in registers between the passes and store residual_out once all their
-loads are issued; looped ones re-read x (and residual) in every pass and store residual_out in
-the last.  No pass reads what the kernel wrote, and each thread reads a chunk before it writes
+whole row is known.  Cached layouts keep the row (h, or t when quantised) in registers between
+the passes and store residual_out once all their loads are issued; looped ones re-read x (and
+residual) in every pass and store residual_out in the last.  No pass reads what the kernel wrote, and each thread reads a chunk before it writes
 that chunk and nothing else, so ``y`` may be ``x`` and ``residual_out`` ``residual`` (the
 in-place entry point).  Each block owns ``rows`` rows; a row's arithmetic does not depend on the
 grid.  Rows past M take part in the reductions and store nothing; absent arrays are null
@@ -135,20 +134,27 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             acc += chunk_sumsq(vals, slot)
         return acc
 
-    @jitable
-    def scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals):
-        """vals[slot:] <- h * r * (weight + weight_offset) [* xscale] for one chunk."""
-        if has_weight:
-            load_w(weight, 0, col0, wvals, 0)
-        if has_xscale:
-            load_s(xscale, 0, col0, svals, 0)
-        for e in range(chunk):
-            v = vals[slot + e] * r
+    def make_scale_chunk(with_rstd):
+        @jitable
+        def scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals):
+            """vals[slot:] <- h * r * (weight + weight_offset) [* xscale] for one chunk; without
+            ``with_rstd`` (``r`` unused), the quantiser's t = h * (weight + weight_offset)
+            [* xscale], y before the row's rstd (y = t * rstd)."""
             if has_weight:
-                v = v * (wvals[e] + weight_offset)
+                load_w(weight, 0, col0, wvals, 0)
             if has_xscale:
-                v = v * svals[e]
-            vals[slot + e] = v
+                load_s(xscale, 0, col0, svals, 0)
+            for e in range(chunk):
+                v = vals[slot + e] * r if with_rstd else vals[slot + e]
+                if has_weight:
+                    v = v * (wvals[e] + weight_offset)
+                if has_xscale:
+                    v = v * svals[e]
+                vals[slot + e] = v
+
+        return scale_chunk
+
+    scale_chunk, weigh_chunk = make_scale_chunk(True), make_scale_chunk(False)
 
     @jitable
     def reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals, slot, rvals,
@@ -174,22 +180,6 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 store_y(y, y_start, col0, vals, slot)
 
     @jitable
-    def weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals, svals):
-        """vals[slot:] <- t = h * (weight + weight_offset) [* xscale] for one chunk: the
-        quantiser's y before the row's rstd (y = t * rstd)."""
-        if has_weight:
-            load_w(weight, 0, col0, wvals, 0)
-        if has_xscale:
-            load_s(xscale, 0, col0, svals, 0)
-        for e in range(chunk):
-            v = vals[slot + e]
-            if has_weight:
-                v = v * (wvals[e] + weight_offset)
-            if has_xscale:
-                v = v * svals[e]
-            vals[slot + e] = v
-
-    @jitable
     def sumsq_amax_row(x, residual, weight, xscale, x_start, r_start, live, tx, trips,
                        weight_offset, vals, rvals, wvals, svals):
         """A quantised row's pass before its one reduction: this thread's share of sum(h**2)
@@ -209,7 +199,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                         vals[e] = float32(0.0)
             acc += chunk_sumsq(vals, slot)
             if here:
-                weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals, svals)
+                weigh_chunk(weight, xscale, col0, float32(1.0), weight_offset, vals, slot, wvals,
+                            svals)
                 for e in range(chunk):
                     amax = max_abs(amax, vals[slot + e])
         return acc, amax
@@ -228,8 +219,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                     if not cached:
                         reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0,
                                  vals, slot, rvals, True)
-                        weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals,
-                                    svals)
+                        weigh_chunk(weight, xscale, col0, r, weight_offset, vals, slot,
+                                    wvals, svals)
                     if through_y:
                         for e in range(chunk):
                             vals[slot + e] = vals[slot + e] * r
