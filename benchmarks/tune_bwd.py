@@ -21,6 +21,14 @@ SETTINGS = {
     # float32 rows (--dtype float32): the packed form (and with it the prefetch) or the plain one
     "fp32_packed": {"BWD_PACK_32BIT": True, "BWD_PREFETCH": True},
     "fp32_plain": {"BWD_PACK_32BIT": False},
+    # dresidual (--dres): its words loaded with x / dy before the reduction, or in pass 2
+    "dres_early": {"BWD_EARLY_DRESIDUAL": True},
+    "dres_late": {"BWD_EARLY_DRESIDUAL": False},
+    # the dweight reduction: row groups per block x loads batched per thread
+    "reduce_g8_b4": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 4},
+    "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},
+    "reduce_g16_b8": {"BWD_REDUCE_GROUPS": 16, "BWD_REDUCE_BATCH": 8},
+    "reduce_g32_b8": {"BWD_REDUCE_GROUPS": 32, "BWD_REDUCE_BATCH": 8},
 }
 
 

@@ -2,9 +2,11 @@
 float32 xscale, bf16 x and weight; CUPTI, 256 MB write flush before each call, as the benchmark
 measures it) for each 8-bit format under candidate chunks per thread
 (kernels/_config.QUANT_CHUNKS_PER_THREAD, patched here).  One JSON line per (shape, format,
-chunks); all of them in --out (default $OUT or .)/tune_quant.json.
+chunks, weight_offset); all of them in --out (default $OUT or .)/tune_quant.json.  With
+``--offsets 0,1`` each weight_offset runs on weight - offset (the same effective weight): 0 takes
+the kernel without the per-element offset add (FwdSpec.offset), any other value the one with it.
 
-    PYTHONPATH=src python3 benchmarks/tune_quant.py [--chunks 3,4]
+    PYTHONPATH=src python3 benchmarks/tune_quant.py [--chunks 3,4] [--offsets 0,1]
 """
 import argparse
 import json
@@ -18,6 +20,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--chunks", default="3,4")
+    ap.add_argument("--offsets", default="0")
     args = ap.parse_args()
 
     import torch
@@ -38,12 +41,14 @@ def main():
         nbytes = m * n * 2 + m * n + m * 4 + n * 2 + n * 4
         for fmt in FORMATS:
             reference = None
-            for chunks in (int(c) for c in args.chunks.split(",")):
+            for chunks, offset in ((int(c), float(o)) for c in args.chunks.split(",")
+                                   for o in args.offsets.split(",")):
                 _config.QUANT_CHUNKS_PER_THREAD["cuda"] = {2: chunks, 4: chunks}
                 for backend in backends._backends.values():
                     backend._plans.clear()
-                call = lambda: rmsnorm_hip.rms_norm_quant(x, w, 1e-6, xscale=xscale,  # noqa
-                                                          quant_dtype=fmt)
+                w_call = (w.float() - offset).to(torch.bfloat16) if offset else w
+                call = lambda: rmsnorm_hip.rms_norm_quant(x, w_call, 1e-6, xscale=xscale,  # noqa
+                                                          quant_dtype=fmt, weight_offset=offset)
                 q, yscale = call()
                 q_bits = q.view(torch.uint8).int()
                 if reference is None:
@@ -52,7 +57,7 @@ def main():
                 q_diff = int((q_bits - reference[0]).abs().max()) if fmt == "int8" else None
                 ys_rel = float(((yscale - reference[1]).abs() / reference[1]).max())
                 t = timing.cuda_device_time(call, flush)
-                row = dict(m=m, n=n, format=fmt, chunks=chunks, us=t["us"],
+                row = dict(m=m, n=n, format=fmt, chunks=chunks, weight_offset=offset, us=t["us"],
                            GBps=nbytes / t["us"] / 1e3, int8_level_diff_vs_first=q_diff,
                            yscale_rel_diff_vs_first=ys_rel)
                 row["pct_copy"] = 100 * row["GBps"] / copy

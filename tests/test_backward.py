@@ -181,6 +181,27 @@ def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, d
     assert_bitwise(packed[1], plain[1], "dweight")
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,given_rstd", [("bfloat16", True), ("float32", False)])
+def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, dtype, given_rstd):
+    """Packed rows with dresidual load its words before the row's reduction (BwdSpec.early_dres)
+    or decode it from a load in pass 2: the same bits, and both the float64 contract."""
+    use_backend("sim")
+    x, dy, dres = (random_array(rng, (5, 1024), dtype) for _ in range(3))
+    w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True)[1] if given_rstd else None
+    assert _config.bwd_spec(1024, dtype, dtype, True, not given_rstd, True).early_dres
+    early = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
+    ref = rms_norm_backward_ref(dy, x, w, None, dresidual=dres)
+    assert_dx(early[0], dy, x, w, rms_norm(x, w, return_rstd=True)[1], ref[0], dtype)
+    assert_dweight(early[1], ref[1], dtype)
+    monkeypatch.setattr(_config, "BWD_EARLY_DRESIDUAL", False)
+    assert not _config.bwd_spec(1024, dtype, dtype, True, not given_rstd, True).early_dres
+    late = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
+    assert_bitwise(early[0], late[0], "dx, early vs late dresidual")
+    assert_bitwise(early[1], late[1], "dweight, early vs late dresidual")
+
+
 class _HostIO:
     """What GpuBackend's repeat-call runners read through (functional builds them with
     ``_arrays.FastIO`` for torch / CuPy device arrays), over NumPy arrays for the simulator: a

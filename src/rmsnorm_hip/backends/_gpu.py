@@ -120,7 +120,8 @@ class GpuBackend:
         elements; a quantised y's is N, so its 8- / 4-byte chunk stores are aligned whenever
         x's 16-byte chunks are."""
         x_stride, r_stride, y_stride, ro_stride = strides
-        fused = (residual is not None, quant, xscale.dtype if xscale is not None else "")
+        fused = (residual is not None, quant, xscale.dtype if xscale is not None else "",
+                 weight_offset != 0.0)
         vector_key, scalar_key = self.fwd_kernels(
             n, x.dtype, weight.dtype if weight is not None else "", rstd is not None, x_stride,
             y_stride, more_strides=(r_stride, ro_stride), fused=fused)
@@ -138,24 +139,26 @@ class GpuBackend:
 
     # ---- backward ------------------------------------------------------------------------
     def _bwd_plan(self, key):
-        """(spec, kernel, dweight reduction kernel or None, blocks per SM) of a backward call
-        shape, built once: a repeat call only looks it up."""
+        """(spec, kernel, dweight reduction kernel or None, its spec, blocks per SM) of a
+        backward call shape, built once: a repeat call only looks it up."""
         spec = _config.bwd_spec(*key)
         kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, spec, rmsnorm_bwd.argtypes(spec))
         reduce = None
+        reduce_spec = _config.reduce_spec(spec.weight)
         if spec.weight:
-            reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, spec.weight,
-                                 rmsnorm_bwd.reduce_argtypes(spec.weight))
+            reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, reduce_spec,
+                                 rmsnorm_bwd.reduce_argtypes(reduce_spec))
         per_sm = self.resident_per_sm(kernel, spec.layout.threads * spec.rows)
-        plan = self._bwd_plans[key] = (spec, kernel, reduce, per_sm)
+        plan = self._bwd_plans[key] = (spec, kernel, reduce, reduce_spec, per_sm)
         return plan
 
     def _bwd_launch_shape(self, key, m):
         """(kernel, grid, block, dweight reduction kernel, its grid, its block, workspace rows)
         of a backward call of ``m`` rows."""
-        spec, kernel, reduce, per_sm = self._bwd_plans.get(key) or self._bwd_plan(key)
+        spec, kernel, reduce, reduce_spec, per_sm = (self._bwd_plans.get(key)
+                                                      or self._bwd_plan(key))
         programs = _config.bwd_programs(spec, m, self.sm_count, per_sm)
-        columns, groups = _config.BWD_REDUCE_COLUMNS, _config.BWD_REDUCE_GROUPS
+        columns, groups = reduce_spec.columns, reduce_spec.groups
         return (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1), reduce,
                 ((spec.layout.n + columns - 1) // columns, 1, 1), (columns, groups, 1),
                 programs * spec.rows)

@@ -100,6 +100,7 @@ class FwdSpec:
     quant: str = ""         # "int8" | "float8_e4m3fn": y quantised per row (q, yscale); "" not
     xscale: str = ""        # SmoothQuant scale dtype (float32 or x's), "" for none
     exact: bool = False     # cached row, every chunk of every thread in it: no column checks
+    offset: bool = True     # weight_offset added to the weight (False: the call's offset is 0)
 
     @property
     def fused(self):
@@ -108,9 +109,10 @@ class FwdSpec:
 
 
 def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale="",
-             vendor="cuda"):
+             offset=True, vendor="cuda"):
     """The forward kernel a call runs (the dispatcher's only decision for the forward) on a
-    ``vendor`` ("cuda" or "hip") GPU."""
+    ``vendor`` ("cuda" or "hip") GPU.  ``offset=False`` (weight_offset == 0) is a variant of the
+    quantised rows only: their issue slots are the bound, and it saves one FADD per element."""
     layout = quant_row_layout(n, dtype, vendor) if quant else row_layout(n, dtype)
     # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
     # exactly threads x chunks; on AMD the branch-free row took the fp32 N = 4096 quantised
@@ -119,7 +121,7 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
              and layout.n_chunks == layout.threads * layout.chunks_per_thread)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
-                   xscale=xscale, exact=exact)
+                   xscale=xscale, exact=exact, offset=offset or not (quant and weight))
 
 
 # ---- backward ---------------------------------------------------------------------------------
@@ -130,8 +132,13 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
 BWD_MAX_CACHED_FLOATS = 16       # per array (x, dy, weight, dweight partial) and thread
 BWD_LOOPED_THREADS = 512         # threads per row of the looped (uncached) backward layouts
 BWD_BLOCKS_PER_SM = 2            # programs per SM for 512-thread rows (BACKWARD.md: P = 2 x SMs)
-BWD_REDUCE_COLUMNS = 32          # dweight reduction block: 32 columns x BWD_REDUCE_GROUPS rows
+# dweight reduction: blocks of 32 columns (one 128-byte line per warp row) x BWD_REDUCE_GROUPS
+# row groups; each thread loads BWD_REDUCE_BATCH of its rows before adding them (in row order).
+# H200, N = 4096 bf16, P = 264: 8 groups with the compiler's unroll by 4 (33 rows a thread) took
+# 3.8-4.1 us of the 4096x4096 call's 40 (tune_bwd.json); see benchmarks/NOTES.md for the others
+BWD_REDUCE_COLUMNS = 32
 BWD_REDUCE_GROUPS = 8
+BWD_REDUCE_BATCH = 8
 # 16-bit cached vector rows keep x and dy as the loaded words between the passes (see
 # kernels/rmsnorm_bwd.py).  ptxas 13.5, sm_90, N=4096 bf16 (512 threads): 56 registers instead
 # of 69-77, so 2 blocks per SM instead of 1.
@@ -142,6 +149,8 @@ BWD_PACK_32BIT = True
 # packed rows load the next row's words before reducing this one (two rows of loads in flight
 # per thread); see benchmarks/NOTES.md for the measurement
 BWD_PREFETCH = True
+# packed dresidual rows load dresidual with x and dy, before the row's reduction
+BWD_EARLY_DRESIDUAL = True
 
 
 def bwd_row_layout(n, dtype):
@@ -166,6 +175,7 @@ class BwdSpec:
     dresidual: bool
     packed: bool = False    # x and dy kept as loaded 16-bit pairs between the passes
     prefetch: bool = False  # packed rows: the next row's words loaded before this row's reduction
+    early_dres: bool = False    # packed rows: dresidual's words loaded before the reduction too
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
@@ -177,7 +187,8 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
     both = recompute_rstd and dresidual
     return BwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
-                   packed=packed, prefetch=packed and BWD_PREFETCH and not both)
+                   packed=packed, prefetch=packed and BWD_PREFETCH and not both,
+                   early_dres=packed and dresidual and BWD_EARLY_DRESIDUAL)
 
 
 def launch_bounds(spec):
@@ -194,6 +205,20 @@ def launch_bounds(spec):
     # fit twice got 32 registers and spilled 100 bytes (ptxas, N = 8192 bf16)
     blocks = min(BWD_BLOCKS_PER_SM, 1024 // threads) if spec.packed else 1
     return threads, (blocks if blocks > 1 else None)
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """Compile-time constants of the dweight reduction (block: columns x groups threads)."""
+    weight: str             # dweight's dtype
+    columns: int
+    groups: int
+    batch: int              # loads a thread issues before adding them
+
+
+def reduce_spec(weight):
+    return ReduceSpec(weight=weight, columns=BWD_REDUCE_COLUMNS, groups=BWD_REDUCE_GROUPS,
+                      batch=BWD_REDUCE_BATCH)
 
 
 def bwd_programs(spec, m, sm_count, resident_per_sm):

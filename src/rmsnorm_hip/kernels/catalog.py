@@ -24,7 +24,7 @@ class Variant:
     def label(self):
         s = self.spec
         if self.op == "bwd_reduce":
-            return f"bwd_reduce:w={s}"
+            return f"bwd_reduce:w={s.weight}:groups={s.groups}"
         layout = s.layout
         path = ("looped" if not layout.cached else "multirow" if s.rows > 1 else "row")
         access = "vec" if s.vector else "scalar"
@@ -34,7 +34,8 @@ class Variant:
             flags = f"rstd={int(s.store_rstd)}"
             if getattr(s, "fused", False):
                 flags += (f":res={int(s.residual)}" + (f":q={s.quant}" if s.quant else "")
-                          + (f":xs={s.xscale}" if s.xscale else ""))
+                          + (f":xs={s.xscale}" if s.xscale else "")
+                          + ("" if s.offset else ":offset=0"))
         return f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}:{flags}"
 
     @property
@@ -73,12 +74,13 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N, vendor="cuda"):
         for n in ns:
             layout = _config.row_layout(n, dtype)
             for vector in ([True, False] if n % layout.chunk == 0 else [False]):
-                def spec(weight, store_rstd, residual, quant="", xscale=""):
+                def spec(weight, store_rstd, residual, quant="", xscale="", offset=True):
                     return _config.fwd_spec(n, dtype, weight, vector, store_rstd, residual,
-                                            quant, xscale, vendor)
+                                            quant, xscale, offset, vendor)
                 if vector or n % layout.chunk:      # the vector form, or a ragged N's only form
                     specs = [("fused_add", spec(dtype, True, True)),
                              ("quant", spec(dtype, False, False, _dtypes.INT8, wide)),
+                             ("quant", spec(dtype, False, False, _dtypes.INT8, wide, False)),
                              ("quant", spec(wide, False, True, _dtypes.FLOAT8_E4M3FN, dtype))]
                 else:
                     specs = [("fused_add", spec("", False, True)),
@@ -103,8 +105,9 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N):
                             yield Variant("bwd", rmsnorm_bwd.make_rmsnorm_bwd, spec,
                                           rmsnorm_bwd.argtypes(spec))
     for weight in _dtypes.ACTIVATION_DTYPES:
-        yield Variant("bwd_reduce", rmsnorm_bwd.make_dweight_reduce, weight,
-                      rmsnorm_bwd.reduce_argtypes(weight))
+        spec = _config.reduce_spec(weight)
+        yield Variant("bwd_reduce", rmsnorm_bwd.make_dweight_reduce, spec,
+                      rmsnorm_bwd.reduce_argtypes(spec))
 
 
 def variants(vendor="cuda"):

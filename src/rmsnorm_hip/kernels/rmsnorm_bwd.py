@@ -19,7 +19,7 @@ import math
 from numba import float32, int32, int64, types, uint32
 
 from .. import _dtypes
-from ._config import BWD_REDUCE_COLUMNS, BWD_REDUCE_GROUPS, BwdSpec
+from ._config import BwdSpec, ReduceSpec
 from ._rowops import ChunkIO, codec, make_chunk_dot, make_chunk_sumsq, make_row_sum
 
 
@@ -60,6 +60,10 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # each thread has two rows' loads in flight instead of one
     prefetch = spec.prefetch
     next_words = words if prefetch else 1
+    # early dresidual (packed rows): the row's dresidual words are loaded with its x / dy, before
+    # the reduction, instead of in pass 2 after it (where each row waited for them)
+    early_dres = spec.early_dres
+    dres_words = words if early_dres else 1
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     row_sum, warps_per_row = make_row_sum(intr, threads)
@@ -116,6 +120,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         rv = gpu.local.array(chunk, float32)   # dresidual
         xw = gpu.local.array(words, uint32)    # packed x and dy (see ``packed``)
         dw = gpu.local.array(words, uint32)
+        rw = gpu.local.array(dres_words, uint32)   # packed dresidual (see ``early_dres``)
         xn = gpu.local.array(next_words, uint32)   # the next row's (see ``prefetch``)
         dn = gpu.local.array(next_words, uint32)
         xt = gpu.local.array(chunk, float32)   # one decoded chunk of packed x / dy
@@ -153,6 +158,11 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             live = row < m
             x_start = row * x_stride
             dy_start = row * dy_stride
+            if early_dres:
+                for k in range(per_thread):
+                    col0 = (tx + k * threads) * chunk
+                    if live and col0 < n:
+                        load_words(dres, row * dres_stride, col0, rw, k * 4)
             if prefetch:
                 load_row_words(x, dy, row + step, m, x_stride, dy_stride, tx, xn, dn)
             # pass 1: sum(x * wdy) and, when recomputing rstd, sum(x * x)
@@ -214,7 +224,10 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                             load(dy, dy_start, col0, dv, 0)
                             if has_weight:
                                 load_w(weight, 0, col0, wv, 0)
-                        if has_dres:
+                        if early_dres:
+                            words_to_floats(rw[k * 4], rw[k * 4 + 1], rw[k * 4 + 2],
+                                            rw[k * 4 + 3], rv, 0)
+                        elif has_dres:
                             load(dres, row * dres_stride, col0, rv, 0)
                         vslot = 0 if packed else slot     # where this chunk's x / dy floats are
                         weighted(dv, wv, vslot, slot, weight_offset, wdy)
@@ -244,27 +257,47 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     return rmsnorm_bwd
 
 
-def reduce_argtypes(weight_dtype):
+def reduce_argtypes(spec: ReduceSpec):
     """(ws, dweight, ws_rows, n)"""
-    return (types.CPointer(types.float32), _pointer(weight_dtype), types.int64, types.int64)
+    return (types.CPointer(types.float32), _pointer(spec.weight), types.int64, types.int64)
 
 
-def make_dweight_reduce(intr, weight_dtype):
+def make_dweight_reduce(intr, spec: ReduceSpec):
     """dweight[j] = sum over ws rows of ws[r, j], in a fixed order: thread (tx, ty) of block b sums
-    rows ty, ty + G, ... of column 32 b + tx; the G partial sums are then added in order."""
-    gpu = intr.gpu
-    encode = codec(intr, weight_dtype)[1]
-    columns, groups = BWD_REDUCE_COLUMNS, BWD_REDUCE_GROUPS
+    rows ty, ty + G, ... of column ``columns * b + tx`` one after the other; the G partial sums
+    are then added in group order.  The loads go out ``batch`` at a time before their adds (the
+    adds keep row order, so the bits are those of one load at a time): the reduction is a chain
+    of memory latencies, not of bandwidth (~4 MB)."""
+    gpu, jitable = intr.gpu, intr.jitable
+    encode = codec(intr, spec.weight)[1]
+    columns, groups, batch = spec.columns, spec.groups, spec.batch
+
+    @jitable
+    def column_sum(ws, col, first, count, n, vals):
+        """sum of ws[first + i * groups, col] for i < count, in order."""
+        total = float32(0.0)
+        stride = int64(groups) * n
+        at = int64(first) * n + col
+        for _ in range(count // batch):
+            for k in range(batch):
+                vals[k] = ws[at + k * stride]
+            for k in range(batch):
+                total += vals[k]
+            at += batch * stride
+        for _ in range(count % batch):
+            total += ws[at]
+            at += stride
+        return total
 
     def dweight_reduce(ws, dweight, ws_rows, n):
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
         col = int64(gpu.blockIdx.x) * columns + tx
         part = gpu.shared.array((groups, columns), float32)
+        vals = gpu.local.array(batch, float32)
         total = float32(0.0)
-        if col < n:
-            for r in range(ty, ws_rows, groups):
-                total += ws[r * n + col]
+        if col < n and ty < ws_rows:
+            total = column_sum(ws, col, ty, (ws_rows - ty + groups - 1) // groups, n, vals)
         part[ty, tx] = total
         gpu.syncthreads()
         if ty == 0 and col < n:

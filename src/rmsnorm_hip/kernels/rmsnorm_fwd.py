@@ -60,7 +60,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     per_thread, cached, rows = layout.chunks_per_thread, layout.cached, spec.rows
     full = spec.exact           # every chunk of every thread lies in the row: no column checks
     cache_len = per_thread * chunk if cached else chunk
-    has_weight, store_rstd = bool(spec.weight), spec.store_rstd
+    has_weight, store_rstd, add_offset = bool(spec.weight), spec.store_rstd, spec.offset
     has_residual, quant, has_xscale = spec.residual, spec.quant, bool(spec.xscale)
     gpu, jitable = intr.gpu, intr.jitable
     x_io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
@@ -147,7 +147,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             for e in range(chunk):
                 v = vals[slot + e] * r if with_rstd else vals[slot + e]
                 if has_weight:
-                    v = v * (wvals[e] + weight_offset)
+                    v = v * (wvals[e] + weight_offset if add_offset else wvals[e])
                 if has_xscale:
                     v = v * svals[e]
                 vals[slot + e] = v
