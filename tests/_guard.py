@@ -92,7 +92,8 @@ class _NoRunners(dict):
 def guarded_outputs(guard_bytes=GUARD_BYTES):
     """Yields a :class:`Guards` list that collects every allocation made in the block."""
     guards = Guards()
-    empty, runners = _arrays.empty, (functional._fwd_runners, functional._bwd_runners)
+    empty = _arrays.empty
+    runners = (functional._fwd_runners, functional._bwd_runners, functional._fused_runners)
 
     def guarded_empty(like, shape, dtype):
         if like.lib not in ("numpy", "torch", "cupy"):
@@ -112,9 +113,9 @@ def guarded_outputs(guard_bytes=GUARD_BYTES):
         return out, info
 
     _arrays.empty = guarded_empty
-    functional._fwd_runners = functional._bwd_runners = _NoRunners()
+    functional._fwd_runners = functional._bwd_runners = functional._fused_runners = _NoRunners()
     try:
         yield guards
     finally:
         _arrays.empty = empty
-        functional._fwd_runners, functional._bwd_runners = runners
+        functional._fwd_runners, functional._bwd_runners, functional._fused_runners = runners

@@ -226,3 +226,66 @@ def test_quant_cupy_float8_is_uint8_bits():
     ref = reference.rms_norm_quant_ref(xh, quant_dtype="float8_e4m3fn")
     assert_quant_close(q.get().view(ml_dtypes.float8_e4m3fn), yscale.get(), ref[0], ref[1],
                        "float8_e4m3fn")
+
+
+def _shifted(t):
+    """t's values, same strides, starting one element past a 16-byte boundary (scalar kernel)."""
+    buf = torch.empty(t.numel() + 8, device=t.device, dtype=t.dtype)
+    out = buf[1:1 + t.numel()].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("op", ["fused", "fused_", "quant_int8", "quant_fp8_residual"])
+def test_fused_repeat_calls_take_the_runner(monkeypatch, op):
+    """The fused entry points' first call validates and builds a runner; repeat calls with the
+    same metadata run it: bitwise the validated call's outputs, also from misaligned copies
+    (the scalar kernel, chosen per call), with a weight offset (the other kernel of the quantised
+    rows, chosen per call) and on a side stream.  In place, arrays that overlap are still
+    rejected by full validation."""
+    from rmsnorm_hip import functional
+    monkeypatch.setattr(functional, "_fused_runners", {})
+    m, n = 32, 4096
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
+    xs = (1 + 0.2 * torch.rand(n, device="cuda")).float()
+
+    def call(x, r, offset=0.0):
+        if op == "fused":
+            return rmsnorm_hip.fused_add_rms_norm(x, r, w, 1e-6, weight_offset=offset,
+                                                  return_rstd=True)
+        if op == "fused_":
+            xc, rc = x.clone() if x.data_ptr() % 16 == 0 else _shifted(x), (
+                r.clone() if r.data_ptr() % 16 == 0 else _shifted(r))
+            assert rmsnorm_hip.fused_add_rms_norm_(xc, rc, w, 1e-6, weight_offset=offset) is None
+            return xc, rc
+        if op == "quant_int8":
+            return rmsnorm_hip.rms_norm_quant(x, w, 1e-6, xscale=xs, weight_offset=offset)
+        return rmsnorm_hip.rms_norm_quant(x, w, 1e-6, xscale=xs, residual=r, weight_offset=offset,
+                                          quant_dtype=torch.float8_e4m3fn)
+
+    def same(got, expected, what):
+        assert len(got) == len(expected), what
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert torch.equal(raw(a), raw(b)), f"{op} output {i}, {what}"
+
+    first = call(x, r)
+    assert len(functional._fused_runners) == 1, "the validated call builds one runner"
+    same(call(x, r), first, "repeat")
+    x_odd, r_odd = _shifted(x), _shifted(r)
+    assert x_odd.stride() == x.stride() and x_odd.data_ptr() % 16
+    same(call(x_odd, r_odd), first, "misaligned")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        side = call(x, r)
+    stream.synchronize()
+    same(side, first, "side stream")
+    offset = call(x, r, 0.5)
+    assert len(functional._fused_runners) == 1, "repeat calls add no runner"
+    functional._fused_runners.clear()
+    same(offset, call(x, r, 0.5), "weight offset 0.5 vs the validated call")
+    if op == "fused_":
+        xa = x.clone()
+        with pytest.raises(ValueError, match="overlaps x"):
+            rmsnorm_hip.fused_add_rms_norm_(xa, xa, w)

@@ -210,6 +210,7 @@ def record_launches(monkeypatch):
     repeat-call runners keep the launch method they were built with: emptied first."""
     monkeypatch.setattr(functional, "_fwd_runners", {})
     monkeypatch.setattr(functional, "_bwd_runners", {})
+    monkeypatch.setattr(functional, "_fused_runners", {})
     launches = []
     original = CudaBackend.launch
 

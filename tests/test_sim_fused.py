@@ -12,7 +12,7 @@ from conftest import (BFLOAT16, FLOAT16, FLOAT32, NUMPY, aligned_copy, assert_bi
                       assert_close, assert_quant_close, random_array)
 from test_sim import launched_specs, sim  # noqa: F401  (sim is a fixture)
 
-from rmsnorm_hip import _cache, fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
+from rmsnorm_hip import _cache, _dtypes, fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
 from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.reference import fused_add_rms_norm_ref, rms_norm_quant_ref
 
@@ -179,3 +179,47 @@ def test_sim_fused_warp64(sim, rng, case):  # noqa: F811
     be = sim(64)
     check_case(be, rng, case)
     assert any("sim64" in key for key in _cache.entries())
+
+
+class _HostIO:
+    """GpuBackend runners' pointer reader / allocator / stream over NumPy arrays for the simulator
+    (a "pointer" is the array's flat storage, which the simulated kernel indexes)."""
+
+    stream = staticmethod(lambda: 0)
+
+    @staticmethod
+    def ptr(a):
+        return a.reshape(-1).view(_dtypes.STORAGE[_dtypes.name_of_numpy(a.dtype, None)])
+
+    @staticmethod
+    def allocator(shape, dtype):
+        return lambda: np.empty(shape, _dtypes.NUMPY[dtype])
+
+
+@pytest.mark.parametrize("quant,offset", [(None, 1.0), ("int8", 0.0), ("float8_e4m3fn", 0.5)])
+def test_sim_fused_runner_gives_the_validated_bits(sim, rng, quant, offset):  # noqa: F811
+    """The fused forward's repeat-call runner (GpuBackend.fused_runner) run by the simulator:
+    the validated call's bits for the fused add (with rstd) and SmoothQuant with a residual,
+    with the weight offset switch either way.  N = 127 is ragged: the runner takes the scalar
+    kernel without reading pointer alignment."""
+    be = sim()
+    m, n = 5, 127
+    x, res = random_array(rng, (m, n), BFLOAT16), random_array(rng, (m, n), BFLOAT16)
+    w = random_array(rng, (n,), BFLOAT16, loc=1.0, scale=0.1)
+    xs = random_array(rng, (n,), FLOAT32, loc=1.0, scale=0.2) if quant else None
+    if quant:
+        q, ys, ro = rms_norm_quant(x, w, 1e-6, xscale=xs, residual=res, quant_dtype=quant,
+                                   weight_offset=offset)
+        expected = (q, ro, None, ys)
+    else:
+        y, ro, r = fused_add_rms_norm(x, res, w, 1e-6, weight_offset=offset, return_rstd=True)
+        expected = (y, ro, r, None)
+    run = be.fused_runner(_HostIO(), (m, n), m, n, (n, n, n, n), BFLOAT16, BFLOAT16,
+                          FLOAT32 if quant else "", True, quant or "", not quant, False)
+    got = run(x, res, w, xs, 1e-6, offset)
+    for name, a, b in zip(("y / q", "residual_out", "rstd", "yscale"), got, expected):
+        if b is None:
+            assert a is None, name
+        else:
+            assert_bitwise(a.view(np.uint8) if quant and name == "y / q" else a,
+                           b.view(np.uint8) if quant and name == "y / q" else b, name)

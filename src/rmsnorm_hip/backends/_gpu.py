@@ -137,6 +137,61 @@ class GpuBackend:
                 ro_stride, eps, weight_offset)
         self.launch(kernel, grid, block, args, self.stream_for(x))
 
+    def fused_runner(self, io, shape, m, n, strides, dtype, weight_dtype, xscale_dtype,
+                     has_residual, quant, return_rstd, in_place):
+        """``run(x, residual, weight, xscale, eps, weight_offset) -> (y or q, residual_out, rstd,
+        yscale)`` (absent ones None) for repeat calls of the fused forward with this metadata:
+        the kernel keys, output shapes and strides are decided here, once.  In place, y and
+        residual_out are x and residual; there ``run`` returns None, without launching, when the
+        arrays' byte spans meet (full validation then decides whether they truly overlap)."""
+        x_stride, r_stride, y_stride, ro_stride = strides
+        keys = {}
+        for offset in (False, True):
+            keys[offset] = self.fwd_kernels(
+                n, dtype, weight_dtype, return_rstd, x_stride, y_stride,
+                more_strides=(r_stride, ro_stride),
+                fused=(has_residual, quant, xscale_dtype, offset))
+        mask = 0 if keys[True][0] is None else _ALIGN_MASK
+        f32 = _dtypes.FLOAT32
+        alloc_y = None if in_place else io.allocator(shape, quant or dtype)
+        alloc_ro = io.allocator(shape, dtype) if has_residual and not in_place else None
+        alloc_rstd = io.allocator((m,), f32) if return_rstd else None
+        alloc_yscale = io.allocator((m,), f32) if quant else None
+        item = _dtypes.ITEMSIZE[dtype]
+        x_span = ((m - 1) * x_stride + n) * item if m else 0
+        r_span = ((m - 1) * r_stride + n) * item if m else 0
+        w_span = n * _dtypes.ITEMSIZE[weight_dtype] if weight_dtype else 0
+        ptr, stream, launch = io.ptr, io.stream, self.launch
+        shapes = {}
+
+        def run(x, residual, weight, xscale, eps, weight_offset):
+            x_ptr = ptr(x)
+            r_ptr = 0 if residual is None else ptr(residual)
+            w_ptr = 0 if weight is None else ptr(weight)
+            if in_place and (_meet(r_ptr, r_span, x_ptr, x_span)
+                             or _meet(r_ptr, r_span, w_ptr, w_span)
+                             or _meet(x_ptr, x_span, w_ptr, w_span)):
+                return None
+            y = x if in_place else alloc_y()
+            ro = residual if in_place else (alloc_ro() if alloc_ro is not None else None)
+            rstd = alloc_rstd() if alloc_rstd is not None else None
+            yscale = alloc_yscale() if alloc_yscale is not None else None
+            if m:
+                s_ptr = 0 if xscale is None else ptr(xscale)
+                y_ptr = x_ptr if in_place else ptr(y)
+                ro_ptr = 0 if ro is None else (r_ptr if in_place else ptr(ro))
+                vector_key, scalar_key = keys[weight_offset != 0.0]
+                key = (vector_key if mask and not (x_ptr | r_ptr | w_ptr | s_ptr | y_ptr | ro_ptr)
+                       & mask else scalar_key)
+                shape_ = shapes.get(key) or shapes.setdefault(key, self._fwd_launch_shape(key, m))
+                launch(shape_[0], shape_[1], shape_[2],
+                       (x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, ro_ptr,
+                        0 if rstd is None else ptr(rstd), 0 if yscale is None else ptr(yscale),
+                        m, x_stride, r_stride, y_stride, ro_stride, eps, weight_offset), stream())
+            return y, ro, rstd, yscale
+
+        return run
+
     # ---- backward ------------------------------------------------------------------------
     def _bwd_plan(self, key):
         """(spec, kernel, dweight reduction kernel or None, its spec, blocks per SM) of a
@@ -225,3 +280,9 @@ class GpuBackend:
         if weight is not None:
             self.launch(reduce, reduce_grid, reduce_block,
                         (self.arg(ws, f32), self.arg(dweight, wdtype), ws_rows, n), stream)
+
+
+def _meet(a, a_len, b, b_len):
+    """Whether the byte spans [a, a + a_len) and [b, b + b_len) share a byte (empty spans and
+    absent arrays, pointer 0, never do)."""
+    return bool(a and b and a_len and b_len and a < b + b_len and b < a + a_len)
