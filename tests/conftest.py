@@ -283,3 +283,21 @@ def pytest_terminal_summary(terminalreporter):
         tiers[tier] = tiers.get(tier, 0) + count
     for tier, count in sorted(tiers.items()):
         terminalreporter.write_line(f"{count:6d}  total {tier}")
+
+
+class HostIO:
+    """What GpuBackend's repeat-call runners read through (functional builds them with
+    ``_arrays.FastIO`` for torch / CuPy device arrays), over NumPy arrays for the simulator: a
+    "pointer" is the array's flat storage, which the simulated kernel indexes."""
+
+    stream = staticmethod(lambda: 0)
+
+    @staticmethod
+    def ptr(a):
+        from rmsnorm_hip import _dtypes
+        return a.reshape(-1).view(_dtypes.STORAGE[_dtypes.name_of_numpy(a.dtype, None)])
+
+    @staticmethod
+    def allocator(shape, dtype):
+        from rmsnorm_hip import _dtypes
+        return lambda: np.empty(shape, _dtypes.NUMPY[dtype])

@@ -3,9 +3,9 @@ backend over the full matrix and on the simulator over every GPU kernel path."""
 import numpy as np
 import pytest
 
-from conftest import (BFLOAT16, DTYPES, FLOAT32, WEIGHT_COMBOS, assert_bitwise, assert_dweight,
-                      assert_dx, random_array)
-from rmsnorm_hip import _arrays, _dtypes, rms_norm, rms_norm_backward
+from conftest import (BFLOAT16, DTYPES, FLOAT32, WEIGHT_COMBOS, HostIO, assert_bitwise,
+                      assert_dweight, assert_dx, random_array)
+from rmsnorm_hip import _arrays, rms_norm, rms_norm_backward
 from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.reference import rms_norm_backward_ref
 
@@ -202,22 +202,6 @@ def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, 
     assert_bitwise(early[1], late[1], "dweight, early vs late dresidual")
 
 
-class _HostIO:
-    """What GpuBackend's repeat-call runners read through (functional builds them with
-    ``_arrays.FastIO`` for torch / CuPy device arrays), over NumPy arrays for the simulator: a
-    "pointer" is the array's flat storage, which the simulated kernel indexes."""
-
-    stream = staticmethod(lambda: 0)
-
-    @staticmethod
-    def ptr(a):
-        return a.reshape(-1).view(_dtypes.STORAGE[_dtypes.name_of_numpy(a.dtype, None)])
-
-    @staticmethod
-    def allocator(shape, dtype):
-        return lambda: np.empty(shape, _dtypes.NUMPY[dtype])
-
-
 @pytest.mark.sim
 @pytest.mark.parametrize("weight,given_rstd,dres", [(BFLOAT16, True, True), (None, False, False)])
 def test_sim_backward_runner_gives_the_validated_bits(rng, use_backend, weight, given_rstd, dres):
@@ -231,7 +215,7 @@ def test_sim_backward_runner_gives_the_validated_bits(rng, use_backend, weight, 
     rstd = rms_norm(x, None, 1e-6, return_rstd=True)[1] if given_rstd else None
     dr = random_array(rng, (m, n), BFLOAT16) if dres else None
     expected = rms_norm_backward(dy, x, w, rstd, dresidual=dr)
-    run = be.bwd_runner(_HostIO(), (m, n), m, n, (n, n, n, n), BFLOAT16, weight or "",
+    run = be.bwd_runner(HostIO(), (m, n), m, n, (n, n, n, n), BFLOAT16, weight or "",
                         given_rstd, dres)
     got = run(dy, x, w, rstd, dr, 1e-6, 0.0)
     assert_bitwise(got[0], expected[0], "dx")

@@ -228,8 +228,9 @@ def test_quant_cupy_float8_is_uint8_bits():
                        "float8_e4m3fn")
 
 
-def _shifted(t):
-    """t's values, same strides, starting one element past a 16-byte boundary (scalar kernel)."""
+def shifted_copy(t):
+    """t's values, contiguous (same strides) but starting one element past a 16-byte boundary
+    (the scalar kernel)."""
     buf = torch.empty(t.numel() + 8, device=t.device, dtype=t.dtype)
     out = buf[1:1 + t.numel()].view(t.shape)
     out.copy_(t)
@@ -256,8 +257,7 @@ def test_fused_repeat_calls_take_the_runner(monkeypatch, op):
             return rmsnorm_hip.fused_add_rms_norm(x, r, w, 1e-6, weight_offset=offset,
                                                   return_rstd=True)
         if op == "fused_":
-            xc, rc = x.clone() if x.data_ptr() % 16 == 0 else _shifted(x), (
-                r.clone() if r.data_ptr() % 16 == 0 else _shifted(r))
+            xc, rc = (t.clone() if t.data_ptr() % 16 == 0 else shifted_copy(t) for t in (x, r))
             assert rmsnorm_hip.fused_add_rms_norm_(xc, rc, w, 1e-6, weight_offset=offset) is None
             return xc, rc
         if op == "quant_int8":
@@ -273,7 +273,7 @@ def test_fused_repeat_calls_take_the_runner(monkeypatch, op):
     first = call(x, r)
     assert len(functional._fused_runners) == 1, "the validated call builds one runner"
     same(call(x, r), first, "repeat")
-    x_odd, r_odd = _shifted(x), _shifted(r)
+    x_odd, r_odd = shifted_copy(x), shifted_copy(r)
     assert x_odd.stride() == x.stride() and x_odd.data_ptr() % 16
     same(call(x_odd, r_odd), first, "misaligned")
     stream = torch.cuda.Stream()

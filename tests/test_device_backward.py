@@ -17,7 +17,8 @@ torch = require_cuda_torch()
 import rmsnorm_hip  # noqa: E402
 from _guard import _NoRunners  # noqa: E402
 from rmsnorm_hip import _arrays, functional, reference  # noqa: E402
-from test_device import SHAPES, TORCH, host, inputs, misaligned_copy, raw  # noqa: E402
+from test_device import (SHAPES, TORCH, host, inputs, misaligned_copy, raw,  # noqa: E402
+                         shifted_copy)
 
 
 @pytest.fixture
@@ -113,14 +114,6 @@ def test_backward_on_a_side_stream_and_leading_dims():
     stream.synchronize()
     assert got[0].shape == x.shape
     assert torch.equal(raw(got[0]), raw(expected[0])) and torch.equal(raw(got[1]), raw(expected[1]))
-
-
-def shifted_copy(t):
-    """t's values, contiguous (same strides) but starting one element past a 16-byte boundary."""
-    buf = torch.empty(t.numel() + 8, device=t.device, dtype=t.dtype)
-    out = buf[1:1 + t.numel()].view(t.shape)
-    out.copy_(t)
-    return out
 
 
 @pytest.mark.parametrize("weight,given_rstd,dres", [("same", True, False), (None, True, False),

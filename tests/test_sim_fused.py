@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from _paths import layout_of, path_of, pick_n, takes
-from conftest import (BFLOAT16, FLOAT16, FLOAT32, NUMPY, aligned_copy, assert_bitwise,
+from conftest import (BFLOAT16, FLOAT16, FLOAT32, NUMPY, HostIO, aligned_copy, assert_bitwise,
                       assert_close, assert_quant_close, random_array)
 from test_sim import launched_specs, sim  # noqa: F401  (sim is a fixture)
 
-from rmsnorm_hip import _cache, _dtypes, fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
+from rmsnorm_hip import _cache, fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
 from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.reference import fused_add_rms_norm_ref, rms_norm_quant_ref
 
@@ -181,21 +181,6 @@ def test_sim_fused_warp64(sim, rng, case):  # noqa: F811
     assert any("sim64" in key for key in _cache.entries())
 
 
-class _HostIO:
-    """GpuBackend runners' pointer reader / allocator / stream over NumPy arrays for the simulator
-    (a "pointer" is the array's flat storage, which the simulated kernel indexes)."""
-
-    stream = staticmethod(lambda: 0)
-
-    @staticmethod
-    def ptr(a):
-        return a.reshape(-1).view(_dtypes.STORAGE[_dtypes.name_of_numpy(a.dtype, None)])
-
-    @staticmethod
-    def allocator(shape, dtype):
-        return lambda: np.empty(shape, _dtypes.NUMPY[dtype])
-
-
 @pytest.mark.parametrize("quant,offset", [(None, 1.0), ("int8", 0.0), ("float8_e4m3fn", 0.5)])
 def test_sim_fused_runner_gives_the_validated_bits(sim, rng, quant, offset):  # noqa: F811
     """The fused forward's repeat-call runner (GpuBackend.fused_runner) run by the simulator:
@@ -214,7 +199,7 @@ def test_sim_fused_runner_gives_the_validated_bits(sim, rng, quant, offset):  # 
     else:
         y, ro, r = fused_add_rms_norm(x, res, w, 1e-6, weight_offset=offset, return_rstd=True)
         expected = (y, ro, r, None)
-    run = be.fused_runner(_HostIO(), (m, n), m, n, (n, n, n, n), BFLOAT16, BFLOAT16,
+    run = be.fused_runner(HostIO(), (m, n), m, n, (n, n, n, n), BFLOAT16, BFLOAT16,
                           FLOAT32 if quant else "", True, quant or "", not quant, False)
     got = run(x, res, w, xs, 1e-6, offset)
     for name, a, b in zip(("y / q", "residual_out", "rstd", "yscale"), got, expected):
