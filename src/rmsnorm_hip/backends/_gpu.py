@@ -46,38 +46,43 @@ class GpuBackend:
         itemsize = _dtypes.ITEMSIZE[dtype]
         return all((v * itemsize) % _ALIGN == 0 for v in (n,) + tuple(strides))
 
-    @staticmethod
-    def fwd_kernels(n, dtype, weight_dtype, store_rstd, x_stride, y_stride=None, *,
-                    more_strides=(), fused=()):
-        """(vector key or None, scalar key): the two variants a call may take; the vector one
-        when the strides allow it, chosen per call when the pointers are 16-byte aligned too.
-        ``fused``: (residual, quant, xscale) of a fused variant (FwdSpec), with the row strides
-        of its other arrays in ``more_strides`` (in x's elements)."""
+    def fwd_kernels(self, m, n, dtype, weight_dtype, store_rstd, x_stride, y_stride=None, *,
+                    more_strides=(), fused=(False, "", "", True)):
+        """(vector key or None, scalar key): the two variants a call of ``m`` rows may take; the
+        vector one when the strides allow it, chosen per call when the pointers are 16-byte
+        aligned too.  ``fused``: (residual, quant, xscale, weight_offset != 0) of the variant
+        (FwdSpec), with the row strides of its other arrays in ``more_strides`` (in x's
+        elements).  Keys are fwd_spec's arguments; the vector one says whether to stream."""
         y_stride = n if y_stride is None else y_stride
         strides_ok = GpuBackend._rows_aligned(n, dtype,
                                               (x_stride, y_stride) + tuple(more_strides))
-        scalar = (n, dtype, weight_dtype, False, store_rstd) + tuple(fused)
-        vector = (n, dtype, weight_dtype, True, store_rstd) + tuple(fused)
+        residual, quant = fused[0], fused[1]
+        stream = _config.fwd_stream(self.vendor, residual, quant, m, self.sm_count)
+        scalar = (n, dtype, weight_dtype, False, store_rstd) + tuple(fused) + (False,)
+        vector = (n, dtype, weight_dtype, True, store_rstd) + tuple(fused) + (stream,)
         return (vector if strides_ok else None), scalar
 
     def _fwd_plan(self, key):
-        """(kernel, rows per block, block) of a variant key as fwd_kernels gives them."""
+        """(spec, kernel, block, blocks per SM) of a variant key as fwd_kernels gives them."""
         plan = self._plans.get(key)
         if plan is None:
             spec = _config.fwd_spec(*key, vendor=self.vendor)
             kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
-            plan = self._plans[key] = (kernel, spec.rows, (spec.layout.threads, spec.rows, 1))
+            threads = spec.layout.threads * spec.rows
+            per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
+            plan = self._plans[key] = (spec, kernel, (spec.layout.threads, spec.rows, 1), per_sm)
         return plan
 
     def _fwd_launch_shape(self, key, m):
         """(kernel, grid, block) for m rows."""
-        kernel, rows, block = self._plans.get(key) or self._fwd_plan(key)
-        return kernel, ((m + rows - 1) // rows, 1, 1), block
+        spec, kernel, block, per_sm = self._plans.get(key) or self._fwd_plan(key)
+        return kernel, (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1), block
 
     def fwd_runner(self, io, shape, m, n, x_stride, dtype, weight_dtype, return_rstd):
         """``run(x, weight, eps, weight_offset)`` for repeat calls with this metadata: everything
         but pointers, outputs and the stream is decided here, once."""
-        vector_key, scalar_key = self.fwd_kernels(n, dtype, weight_dtype, return_rstd, x_stride)
+        vector_key, scalar_key = self.fwd_kernels(m, n, dtype, weight_dtype, return_rstd,
+                                                  x_stride)
         alloc_y = io.allocator(shape, dtype)
         alloc_rstd = io.allocator((m,), _dtypes.FLOAT32)
         ptr, stream, launch = io.ptr, io.stream, self.launch
@@ -101,7 +106,7 @@ class GpuBackend:
 
     def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset):
         vector_key, scalar_key = self.fwd_kernels(
-            n, x.dtype, weight.dtype if weight is not None else "", rstd is not None, x_stride,
+            m, n, x.dtype, weight.dtype if weight is not None else "", rstd is not None, x_stride,
             y_stride)
         pointers = x.ptr | y.ptr | (weight.ptr if weight is not None else 0)
         key = vector_key if vector_key is not None and not pointers & _ALIGN_MASK else scalar_key
@@ -123,7 +128,7 @@ class GpuBackend:
         fused = (residual is not None, quant, xscale.dtype if xscale is not None else "",
                  weight_offset != 0.0)
         vector_key, scalar_key = self.fwd_kernels(
-            n, x.dtype, weight.dtype if weight is not None else "", rstd is not None, x_stride,
+            m, n, x.dtype, weight.dtype if weight is not None else "", rstd is not None, x_stride,
             y_stride, more_strides=(r_stride, ro_stride), fused=fused)
         pointers = 0
         for info in (x, residual, weight, xscale, y, residual_out):
@@ -148,7 +153,7 @@ class GpuBackend:
         keys = {}
         for offset in (False, True):
             keys[offset] = self.fwd_kernels(
-                n, dtype, weight_dtype, return_rstd, x_stride, y_stride,
+                m, n, dtype, weight_dtype, return_rstd, x_stride, y_stride,
                 more_strides=(r_stride, ro_stride),
                 fused=(has_residual, quant, xscale_dtype, offset))
         mask = 0 if keys[True][0] is None else _ALIGN_MASK

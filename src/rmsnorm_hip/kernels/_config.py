@@ -30,7 +30,18 @@ MAX_CACHED_FLOATS = 32      # row values a thread keeps in registers between the
 # threads per block when a row needs fewer (several rows per block); >= 64 so AMD wavefronts
 # are full.  128 and 512 tied within 1 point at every shape on the H200 sweep.
 BLOCK_THREADS = 128
-
+# streamed forward (cached vector rows): a persistent grid whose programs walk rows, each
+# thread loading the next row's words before it reduces and stores this one, so an SM keeps
+# loads in flight through its rows' reductions and stores (one-shot blocks load, then compute,
+# then store, in step when the batch is a few waves).  Same per-row operations: the same bits.
+# Where it runs, per vendor and kind: the most rows per SM it takes (None: any M; 0: never).
+# H200, bf16, % of copy one-shot -> streamed (results/tune_h200_20261129_s6/tune_stream.json):
+#   rms_norm 1024x8192 71 -> 77, 4096x4096 84 -> 85, 8192x8192 94 -> 92, 32768x4096 97 -> 93
+#   fused add 92 -> 86 at 4096x4096, 3-7 points down elsewhere (95 registers: 3 blocks per SM)
+#   SmoothQuant int8 32768x4096 86 -> 89, 1024x8192 44 -> 48, 16384x8192 / 4096x4096 +-1
+# AMD: not measured, so not streamed.
+FWD_STREAM_ROWS_PER_SM = {"cuda": {"plain": 16, "residual": 0, "quant": None},
+                          "hip": {"plain": 0, "residual": 0, "quant": 0}}
 
 def ceil_div(a, b):
     return -(-a // b)
@@ -101,6 +112,7 @@ class FwdSpec:
     xscale: str = ""        # SmoothQuant scale dtype (float32 or x's), "" for none
     exact: bool = False     # cached row, every chunk of every thread in it: no column checks
     offset: bool = True     # weight_offset added to the weight (False: the call's offset is 0)
+    stream: bool = False    # persistent grid, the next row's words loaded during this row
 
     @property
     def fused(self):
@@ -108,11 +120,20 @@ class FwdSpec:
         return self.residual or bool(self.quant) or bool(self.xscale)
 
 
+def fwd_stream(vendor, residual, quant, m, sm_count):
+    """Whether a forward of ``m`` rows takes the streamed grid (where its spec can)."""
+    kind = "quant" if quant else "residual" if residual else "plain"
+    limit = FWD_STREAM_ROWS_PER_SM[vendor][kind]
+    return limit is None or m <= limit * sm_count
+
+
 def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale="",
-             offset=True, vendor="cuda"):
+             offset=True, stream=False, vendor="cuda"):
     """The forward kernel a call runs (the dispatcher's only decision for the forward) on a
     ``vendor`` ("cuda" or "hip") GPU.  ``offset=False`` (weight_offset == 0) is a variant of the
-    quantised rows only: their issue slots are the bound, and it saves one FADD per element."""
+    quantised rows only: their issue slots are the bound, and it saves one FADD per element
+    (the same switch measured nothing on rms_norm and the fused add: tune_stream.json).
+    ``stream`` (fwd_stream) applies to cached vector rows."""
     layout = quant_row_layout(n, dtype, vendor) if quant else row_layout(n, dtype)
     # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
     # exactly threads x chunks; on AMD the branch-free row took the fp32 N = 4096 quantised
@@ -121,7 +142,16 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
              and layout.n_chunks == layout.threads * layout.chunks_per_thread)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
-                   xscale=xscale, exact=exact, offset=offset or not (quant and weight))
+                   xscale=xscale, exact=exact, offset=offset or not (quant and weight),
+                   stream=stream and vector and layout.cached)
+
+
+def fwd_programs(spec, m, sm_count, resident_per_sm):
+    """Blocks of a forward launch: one per ``rows`` rows, or for a streamed spec the programs
+    the device holds at once, no more than there are blocks of rows (H200: capping them at 2 or
+    4 per SM measured the same or worse, tune_stream.json)."""
+    blocks = ceil_div(m, spec.rows)
+    return max(1, min(blocks, resident_per_sm * sm_count)) if spec.stream else blocks
 
 
 # ---- backward ---------------------------------------------------------------------------------

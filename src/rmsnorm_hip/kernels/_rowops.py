@@ -163,28 +163,28 @@ def make_row_sum(intr, threads):
 
 
 def make_row_sum_max(intr, threads):
-    """``row_sum_max(s, mx, red, ty, tx)``: the sum of ``s`` (as :func:`make_row_sum`, in the same
-    order) and the max of ``mx`` (NaN winning) over the threads of a row, in one round: one
-    barrier, ``red[0]`` and ``red[1]``."""
+    """``row_sum_max(s, mx, red, buf, ty, tx)``: the sum of ``s`` (as :func:`make_row_sum`, in the
+    same order) and the max of ``mx`` (NaN winning) over the threads of a row, in one round: one
+    barrier, ``red[buf]`` and ``red[buf + 1]``."""
     warp = intr.warp
     lanes = min(threads, warp)
     warps_per_row = ceil_div(threads, warp)
     gpu, warp_sum, warp_max, max_nan = intr.gpu, intr.warp_sum, intr.warp_max, intr.max_nan
 
     @intr.jitable
-    def row_sum_max(s, mx, red, ty, tx):
+    def row_sum_max(s, mx, red, buf, ty, tx):
         s = warp_sum(s, lanes)
         mx = warp_max(mx, lanes)
         if warps_per_row > 1:
             if tx % warp == 0:
-                red[0, ty, tx // warp] = s
-                red[1, ty, tx // warp] = mx
+                red[buf, ty, tx // warp] = s
+                red[buf + 1, ty, tx // warp] = mx
             gpu.syncthreads()
-            s = red[0, ty, 0]
-            mx = red[1, ty, 0]
+            s = red[buf, ty, 0]
+            mx = red[buf + 1, ty, 0]
             for i in range(1, warps_per_row):
-                s = s + red[0, ty, i]
-                mx = max_nan(mx, red[1, ty, i])
+                s = s + red[buf, ty, i]
+                mx = max_nan(mx, red[buf + 1, ty, i])
         return s, mx
 
     return row_sum_max

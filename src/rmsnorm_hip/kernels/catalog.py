@@ -36,6 +36,7 @@ class Variant:
                 flags += (f":res={int(s.residual)}" + (f":q={s.quant}" if s.quant else "")
                           + (f":xs={s.xscale}" if s.xscale else "")
                           + ("" if s.offset else ":offset=0"))
+            flags += ":stream" if s.stream else ""
         return f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}:{flags}"
 
     @property
@@ -45,7 +46,16 @@ class Variant:
         return not getattr(self.spec, "quant", "") or self.spec.residual
 
 
-def fwd_variants(ns=FWD_REPRESENTATIVE_N):
+def _streams(vector, layout, vendor, residual, quant):
+    """The values of FwdSpec.stream a call may launch (both where it depends on M)."""
+    if not (vector and layout.cached):
+        return (False,)
+    limit = _config.FWD_STREAM_ROWS_PER_SM[vendor][
+        "quant" if quant else "residual" if residual else "plain"]
+    return (True,) if limit is None else (False,) if limit == 0 else (False, True)
+
+
+def fwd_variants(ns=FWD_REPRESENTATIVE_N, vendor="cuda"):
     for dtype in _dtypes.ACTIVATION_DTYPES:
         weights = _weights(dtype)
         for n in ns:
@@ -54,9 +64,11 @@ def fwd_variants(ns=FWD_REPRESENTATIVE_N):
             for weight in weights:
                 for vector in ([True, False] if vector_ok else [False]):
                     for store_rstd in (True, False):
-                        spec = _config.fwd_spec(n, dtype, weight, vector, store_rstd)
-                        yield Variant("fwd", rmsnorm_fwd.make_rmsnorm_fwd, spec,
-                                      rmsnorm_fwd.argtypes(spec))
+                        for stream in _streams(vector, layout, vendor, False, ""):
+                            spec = _config.fwd_spec(n, dtype, weight, vector, store_rstd,
+                                                    stream=stream, vendor=vendor)
+                            yield Variant("fwd", rmsnorm_fwd.make_rmsnorm_fwd, spec,
+                                          rmsnorm_fwd.argtypes(spec))
 
 
 # the fused forward switches (residual add, quantisation, SmoothQuant scale) per path: multi-row
@@ -75,8 +87,11 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N, vendor="cuda"):
             layout = _config.row_layout(n, dtype)
             for vector in ([True, False] if n % layout.chunk == 0 else [False]):
                 def spec(weight, store_rstd, residual, quant="", xscale="", offset=True):
+                    quant_layout = _config.fwd_spec(n, dtype, weight, vector, store_rstd,
+                                                    residual, quant, xscale).layout
+                    stream = _streams(vector, quant_layout, vendor, residual, quant)[-1]
                     return _config.fwd_spec(n, dtype, weight, vector, store_rstd, residual,
-                                            quant, xscale, offset, vendor)
+                                            quant, xscale, offset, stream, vendor)
                 if vector or n % layout.chunk:      # the vector form, or a ragged N's only form
                     specs = [("fused_add", spec(dtype, True, True)),
                              ("quant", spec(dtype, False, False, _dtypes.INT8, wide)),
@@ -112,6 +127,6 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N):
 
 def variants(vendor="cuda"):
     """Every variant a ``vendor`` ("cuda" or "hip") GPU may launch."""
-    yield from fwd_variants()
+    yield from fwd_variants(vendor=vendor)
     yield from fused_variants(vendor=vendor)
     yield from bwd_variants()

@@ -24,7 +24,7 @@ pointers that are never touched.
 """
 import math
 
-from numba import float32, int64, types
+from numba import float32, int64, types, uint32
 
 from .. import _dtypes
 from ._config import FwdSpec
@@ -77,6 +77,11 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     n_f32 = float32(n)
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
     n_red = 2 if quant else 1                   # sum and max: one shared buffer each
+    stream = spec.stream
+    red_bufs = 2 * n_red if stream else n_red   # streamed rows alternate between two halves
+    words = per_thread * 4 if stream else 1     # 32-bit words of a row's chunks per thread
+    residual_words = words if has_residual else 1
+    load_words, words_to_floats = x_io.load_words, x_io.words_to_floats
 
     @jitable
     def add_residual(vals, slot, rvals, rslot):
@@ -233,27 +238,17 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     quantise_row, quantise_row_through_y = make_quantise_row(False), make_quantise_row(True)
 
     @jitable
-    def forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
-                r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals, svals):
-        tx = gpu.threadIdx.x
-        ty = gpu.threadIdx.y
-        row = int64(gpu.blockIdx.x) * rows + ty
-        live = row < m
-        x_start = row * x_stride
-        r_start = row * r_stride
-        ro_start = row * ro_stride
-        y_start = row * y_stride
-        # looped rows walk their chunks with a trip count the compiler cannot see (m >> 63 is
-        # 0): unrolled, their loads were hoisted and spilled (gfx942, N = 65536)
-        trips = per_thread if cached else per_thread + (m >> 63)
-        if cached:
-            load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals)
+    def normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
+                      x_start, r_start, y_start, ro_start, tx, ty, trips, eps, weight_offset, red,
+                      buf, vals, rvals, wvals, svals):
+        """A row from its sum of squares on: cached layouts have h in vals (residual_out stored);
+        ``red[buf:]`` takes its reduction."""
         if quant:
             # one reduction round for both: yscale = rstd * max|t| / QMAX is max|y| / QMAX up to
             # float32 rounding (y = t * rstd), and the row needs no second barrier
             acc, amax = sumsq_amax_row(x, residual, weight, xscale, x_start, r_start, live, tx,
                                        trips, weight_offset, vals, rvals, wvals, svals)
-            total, amax = row_sum_max(acc, amax, red, ty, tx)
+            total, amax = row_sum_max(acc, amax, red, buf, ty, tx)
             r = float32(1.0) / math.sqrt(total / n_f32 + eps)
             scale = amax * r / qmax
             if not math.isfinite(total):
@@ -275,7 +270,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                                            r, inv, vals, rvals, wvals, svals)
             return
         acc = sumsq_row(x, residual, x_start, r_start, live, tx, trips, vals, rvals)
-        total = row_sum(acc, red, 0, ty, tx)
+        total = row_sum(acc, red, buf, ty, tx)
         r = float32(1.0) / math.sqrt(total / n_f32 + eps)
         if store_rstd and live and tx == 0:
             rstd[row] = r
@@ -283,23 +278,130 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
                        ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, svals)
 
+    @jitable
+    def forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
+                r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals, svals):
+        tx = gpu.threadIdx.x
+        ty = gpu.threadIdx.y
+        row = int64(gpu.blockIdx.x) * rows + ty
+        live = row < m
+        x_start = row * x_stride
+        r_start = row * r_stride
+        ro_start = row * ro_stride
+        y_start = row * y_stride
+        # looped rows walk their chunks with a trip count the compiler cannot see (m >> 63 is
+        # 0): unrolled, their loads were hoisted and spilled (gfx942, N = 65536)
+        trips = per_thread if cached else per_thread + (m >> 63)
+        if cached:
+            load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals)
+        normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
+                      x_start, r_start, y_start, ro_start, tx, ty, trips, eps, weight_offset, red,
+                      0, vals, rvals, wvals, svals)
+
+    # ---- streamed rows (spec.stream: cached vector layouts) -------------------------------
+    @jitable
+    def load_row_words(x, residual, row, m, x_stride, r_stride, tx, xw, rw):
+        """This thread's chunks of row ``row`` of x (and residual) as loaded 32-bit words, zeros
+        past M or the row's end."""
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if row < m and (full or col0 < n):
+                load_words(x, row * x_stride, col0, xw, k * 4)
+                if has_residual:
+                    load_words(residual, row * r_stride, col0, rw, k * 4)
+            else:
+                for e in range(4):
+                    xw[k * 4 + e] = uint32(0)
+                    if has_residual:
+                        rw[k * 4 + e] = uint32(0)
+
+    @jitable
+    def stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, row, step,
+                   x_stride, r_stride, y_stride, ro_stride, eps, weight_offset, red, buf, tx, ty,
+                   vals, rvals, wvals, svals, xw, rw, next_xw, next_rw):
+        """One row of a streamed program: h from this row's words (xw, rw), the next row's
+        words loaded into (next_xw, next_rw) before this row's stores and reduction."""
+        live = row < m
+        for k in range(per_thread):
+            words_to_floats(xw[k * 4], xw[k * 4 + 1], xw[k * 4 + 2], xw[k * 4 + 3], vals,
+                            k * chunk)
+            if has_residual:
+                words_to_floats(rw[k * 4], rw[k * 4 + 1], rw[k * 4 + 2], rw[k * 4 + 3], rvals,
+                                0)
+                add_residual(vals, k * chunk, rvals, 0)
+        load_row_words(x, residual, row + step, m, x_stride, r_stride, tx, next_xw, next_rw)
+        x_start = row * x_stride
+        r_start = row * r_stride
+        ro_start = row * ro_stride
+        y_start = row * y_stride
+        if has_residual:
+            for k in range(per_thread):
+                col0 = (tx + k * threads) * chunk
+                if live and (full or col0 < n):
+                    store_y(residual_out, ro_start, col0, vals, k * chunk)
+        normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
+                      x_start, r_start, y_start, ro_start, tx, ty, per_thread, eps, weight_offset,
+                      red, buf, vals, rvals, wvals, svals)
+
+    @jitable
+    def stream_rows(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
+                    r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals,
+                    svals, aw, ar, bw, br):
+        """A persistent program: block p takes the row blocks p, p + P, ...  Two word buffers
+        alternate (a, b) so no words are copied; consecutive rows reduce through alternate
+        halves of ``red``, one barrier each."""
+        tx = gpu.threadIdx.x
+        ty = gpu.threadIdx.y
+        program = int64(gpu.blockIdx.x)
+        step = int64(gpu.gridDim.x) * rows
+        row = program * rows + ty
+        iters = (m - program * rows + step - 1) // step     # uniform in the block
+        load_row_words(x, residual, row, m, x_stride, r_stride, tx, aw, ar)
+        for it in range(0, iters, 2):
+            stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, row, step,
+                       x_stride, r_stride, y_stride, ro_stride, eps, weight_offset, red, 0, tx,
+                       ty, vals, rvals, wvals, svals, aw, ar, bw, br)
+            if it + 1 < iters:
+                stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m,
+                           row + step, step, x_stride, r_stride, y_stride, ro_stride, eps,
+                           weight_offset, red, n_red, tx, ty, vals, rvals, wvals, svals, bw, br,
+                           aw, ar)
+            row += 2 * step
+
     def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
-        red = gpu.shared.array((n_red, rows, warps_per_row), float32)
+        red = gpu.shared.array((red_bufs, rows, warps_per_row), float32)
         vals = gpu.local.array(cache_len, float32)
         rvals = gpu.local.array(cache_len, float32)
         wvals = gpu.local.array(chunk, float32)
         svals = gpu.local.array(chunk, float32)
-        forward(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride, y_stride,
-                eps, weight_offset, red, vals, rvals, wvals, svals)
+        if stream:
+            aw = gpu.local.array(words, uint32)
+            bw = gpu.local.array(words, uint32)
+            stream_rows(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride,
+                        y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, aw, aw, bw,
+                        bw)
+        else:
+            forward(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride,
+                    y_stride, eps, weight_offset, red, vals, rvals, wvals, svals)
 
     def rmsnorm_fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                           r_stride, y_stride, ro_stride, eps, weight_offset):
-        red = gpu.shared.array((n_red, rows, warps_per_row), float32)
+        red = gpu.shared.array((red_bufs, rows, warps_per_row), float32)
         vals = gpu.local.array(cache_len, float32)
         rvals = gpu.local.array(cache_len, float32)
         wvals = gpu.local.array(chunk, float32)
         svals = gpu.local.array(chunk, float32)
-        forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride, r_stride,
-                y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals, svals)
+        if stream:
+            aw = gpu.local.array(words, uint32)
+            ar = gpu.local.array(residual_words, uint32)
+            bw = gpu.local.array(words, uint32)
+            br = gpu.local.array(residual_words, uint32)
+            stream_rows(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
+                        r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals,
+                        wvals, svals, aw, ar, bw, br)
+        else:
+            forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
+                    r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals,
+                    svals)
 
     return rmsnorm_fused_fwd if spec.fused else rmsnorm_fwd

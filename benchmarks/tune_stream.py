@@ -1,0 +1,124 @@
+"""Streamed forward sweep on a GPU: one-block-per-row launches against the persistent streamed
+grid (kernels/_config.FWD_STREAM_ROWS_PER_SM), for rms_norm, the fused residual add and SmoothQuant int8,
+bf16 (and float32 for rms_norm).  Device time as the benchmark measures it (CUPTI kernel time,
+256 MB write flush before each call).  Every variant's outputs are compared bit for bit with the
+one-shot kernel's (same per-row layout, so they must be equal).  One JSON line per (op, shape,
+variant); all of them in --out (default $OUT or .)/tune_stream.json.
+
+    PYTHONPATH=src python3 benchmarks/tune_stream.py [--ops fwd,fused,quant] [--variants ...]
+
+Variants (``name``: what _config is patched to):
+  oneshot         FWD_STREAM_ROWS_PER_SM all 0 (one block per row block)
+  oneshot_off1    the same with weight_offset = 1 (weight - 1: the same effective weight), i.e.
+                  the kernel with the per-element offset add where there is one without
+  stream          FWD_STREAM_ROWS_PER_SM all None (streamed at every M)
+The session-6 run also measured programs capped at 2 and 4 per SM and __launch_bounds__
+minimums of 4 and 5 blocks per SM (knobs since removed; benchmarks/NOTES.md).
+"""
+import argparse
+import json
+import os
+
+SHAPES = {
+    "fwd": [(32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192),
+            (4096, 5000)],
+    "fused": [(32768, 4096), (16384, 8192), (4096, 4096), (1024, 8192)],
+    "quant": [(32768, 4096), (16384, 8192), (4096, 4096), (1024, 8192)],
+}
+VARIANTS = "oneshot,oneshot_off1,stream"
+
+
+def _patch(config, variant):
+    limit = None if variant.startswith("stream") else 0
+    kinds = {"plain": limit, "residual": limit, "quant": limit}
+    config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--ops", default="fwd,fused,quant")
+    ap.add_argument("--variants", default=VARIANTS)
+    args = ap.parse_args()
+
+    import torch
+
+    import rmsnorm_hip
+    from rmsnorm_hip import backends, functional
+    from rmsnorm_hip._bench import timing
+    from rmsnorm_hip.kernels import _config
+
+    def fresh():
+        for backend in backends._backends.values():
+            backend._plans.clear()
+        for runners in (functional._fwd_runners, functional._fused_runners):
+            runners.clear()
+
+    copy = timing.cuda_copy_bandwidth()["gbps"]
+    flush = timing.L2Flush("write")
+    rows = []
+    cases = [(op, m, n, torch.bfloat16) for op in args.ops.split(",") for m, n in SHAPES[op]]
+    if "fwd" in args.ops.split(","):
+        cases.append(("fwd", 4096, 4096, torch.float32))
+    for op, m, n, dtype in cases:
+        x = torch.randn(m, n, device="cuda", dtype=dtype)
+        w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
+        w1 = (w.float() - 1).to(dtype)
+        e = x.element_size()
+        if op == "fwd":
+            nbytes = 2 * m * n * e + n * e
+            extra = ()
+        elif op == "fused":
+            nbytes = 4 * m * n * e + n * e
+            extra = (torch.randn(m, n, device="cuda", dtype=dtype),)
+        else:
+            nbytes = m * n * e + m * n + m * 4 + n * e + n * 4
+            extra = ((1 + 0.2 * torch.rand(n, device="cuda")).float(),)
+
+        def call(weight, offset):
+            if op == "fwd":
+                return (rmsnorm_hip.rms_norm(x, weight, 1e-6, weight_offset=offset),)
+            if op == "fused":
+                return rmsnorm_hip.fused_add_rms_norm(x, extra[0], weight, 1e-6,
+                                                      weight_offset=offset)
+            return rmsnorm_hip.rms_norm_quant(x, weight, 1e-6, xscale=extra[0],
+                                              weight_offset=offset)
+
+        reference = None
+        for variant in args.variants.split(","):
+            _patch(_config, variant)
+            fresh()
+            weight, offset = (w1, 1.0) if variant.endswith("_off1") else (w, 0.0)
+            fn = lambda: call(weight, offset)  # noqa: E731
+            outs = [o.view(torch.uint8) if o.dtype.itemsize == 1 else o for o in fn()]
+            same = None
+            if reference is None and not variant.endswith("_off1"):
+                reference = outs
+            elif not variant.endswith("_off1"):
+                same = all(torch.equal(a, b) for a, b in zip(outs, reference))
+            t = timing.cuda_device_time(fn, flush)
+            row = dict(op=op, m=m, n=n, dtype=str(dtype)[6:], variant=variant, us=t["us"],
+                       GBps=nbytes / t["us"] / 1e3, bitwise_equal_to_first=same)
+            row["pct_copy"] = 100 * row["GBps"] / copy
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del x, extra
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune_stream.json"), "w") as f:
+        json.dump(dict(copy_gbps=copy, rows=rows), f, indent=1)
+    names = args.variants.split(",")
+    print(f"copy {copy:.0f} GB/s; % of copy")
+    print(f"{'op':6s} {'shape':16s} " + " ".join(f"{v:>13s}" for v in names))
+    for op, m, n, dtype in cases:
+        cells = []
+        for v in names:
+            r = [r for r in rows if (r["op"], r["m"], r["n"], r["dtype"], r["variant"])
+                 == (op, m, n, str(dtype)[6:], v)]
+            flag = "" if not r or r[0]["bitwise_equal_to_first"] in (None, True) else "!"
+            cells.append(f"{r[0]['pct_copy']:.1f}{flag}" if r else "-")
+        print(f"{op:6s} {f'{m}x{n} {str(dtype)[6:]}':16s} " + " ".join(f"{c:>13s}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The streamed forward (kernels/_config.FWD_STREAM_ROWS_PER_SM: a persistent grid whose
+programs walk rows, loading the next row's words during this one) run by the numba-cuda
+simulator.  The simulator
+backend holds two programs, so these M give each program several rows: both word buffers, both
+halves of the reduction buffer, an odd and an even number of rows per program, and rows past M
+in a block of rows.  Every output must be the one-shot kernel's bits (not streamed: one block
+per row block) and close to the float64 reference; in place, the arrays are the outputs."""
+import numpy as np
+import pytest
+from _paths import layout_of, pick_n
+from conftest import (BFLOAT16, FLOAT16, FLOAT32, aligned_copy, assert_bitwise, assert_close,
+                      assert_quant_close, random_array)
+from test_sim import launched_specs, sim  # noqa: F401  (sim is a fixture)
+
+from rmsnorm_hip import fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
+from rmsnorm_hip.kernels import _config
+from rmsnorm_hip.reference import fused_add_rms_norm_ref, rms_norm_quant_ref, rms_norm_ref
+
+pytestmark = pytest.mark.sim
+
+OPS = ("rms_norm", "fused_add", "fused_add_", "quant_int8", "quant_fp8_residual")
+
+
+def _call(op, x, res, w, xs, offset):
+    """The op's outputs as a tuple of arrays (in place: copies of x and residual, updated)."""
+    if op == "rms_norm":
+        return rms_norm(x, w, 1e-6, weight_offset=offset, return_rstd=True)
+    if op == "fused_add":
+        return fused_add_rms_norm(x, res, w, 1e-6, weight_offset=offset, return_rstd=True)
+    if op == "fused_add_":
+        x, res = aligned_copy(x), aligned_copy(res)
+        fused_add_rms_norm_(x, res, w, 1e-6, weight_offset=offset)
+        return x, res
+    if op == "quant_int8":
+        return rms_norm_quant(x, w, 1e-6, xscale=xs, weight_offset=offset)
+    return rms_norm_quant(x, w, 1e-6, xscale=xs, residual=res, quant_dtype="float8_e4m3fn",
+                          weight_offset=offset)
+
+
+def _run(be, op, inputs, stream, monkeypatch):
+    every_m = {"plain": None if stream else 0, "residual": None if stream else 0,
+               "quant": None if stream else 0}
+    monkeypatch.setattr(_config, "FWD_STREAM_ROWS_PER_SM", {"cuda": every_m, "hip": every_m})
+    with launched_specs(be) as specs:
+        out = _call(op, *inputs)
+    assert len(specs) == 1 and specs[0].stream == stream, specs
+    return out, specs[0]
+
+
+@pytest.mark.parametrize("flavor,rows_per_program", [("row", 3), ("row", 4),
+                                                     ("multirow_warps", 3)])
+@pytest.mark.parametrize("op", OPS)
+def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, flavor,
+                                                  rows_per_program):  # noqa: F811
+    be = sim()
+    quant = op.startswith("quant")
+    dtype = FLOAT16 if op == "fused_add_" else BFLOAT16
+    n = pick_n(flavor, dtype, vector=True, quant=quant)
+    rows = _config.rows_per_block(layout_of(n, dtype, quant))
+    # two programs; the last row block of the last program is part empty when rows > 1
+    m = 2 * rows * rows_per_program - (1 if rows > 1 else 0)
+    x = aligned_copy(random_array(rng, (m, n), dtype))
+    res = aligned_copy(random_array(rng, (m, n), dtype))
+    w = aligned_copy(random_array(rng, n, FLOAT32 if quant else dtype, loc=1.0, scale=0.2))
+    xs = aligned_copy(random_array(rng, n, FLOAT32, loc=1.0, scale=0.2)) if quant else None
+    offset = 0.0 if op != "fused_add" else 0.5
+    inputs = (x, res, w, xs, offset)
+    x0, res0 = x.copy(), res.copy()
+
+    streamed, spec = _run(be, op, inputs, True, monkeypatch)
+    one_shot, spec1 = _run(be, op, inputs, False, monkeypatch)
+
+    assert spec.vector and spec.layout == spec1.layout and spec.rows == rows, spec
+    assert spec.offset == (offset != 0.0 or not quant)   # the offset switch: quant only
+    for i, (a, b) in enumerate(zip(streamed, one_shot)):
+        a = a.view(np.uint8) if a.dtype.itemsize == 1 else a
+        b = b.view(np.uint8) if b.dtype.itemsize == 1 else b
+        assert_bitwise(a, b, f"{op} output {i}: streamed vs one-shot")
+    assert_bitwise(x, x0, "x after the call")
+    assert_bitwise(res, res0, "residual after the call")
+
+    if op == "rms_norm":
+        y_ref, rstd_ref = rms_norm_ref(x, w, weight_offset=offset)
+        assert_close(streamed[0], y_ref, dtype)
+        assert_close(streamed[1], rstd_ref, FLOAT32)
+    elif op.startswith("fused_add"):
+        y_ref, ro_ref = fused_add_rms_norm_ref(x, res, w, weight_offset=offset)[:2]
+        assert_close(streamed[0], y_ref, dtype)
+        assert_close(streamed[1], ro_ref, dtype)
+    else:
+        fmt = "int8" if op == "quant_int8" else "float8_e4m3fn"
+        ref = rms_norm_quant_ref(x, w, xscale=xs, residual=None if fmt == "int8" else res,
+                                 quant_dtype=fmt)
+        assert_quant_close(streamed[0], streamed[1], ref[0], ref[1], fmt)
+
+
+def test_stream_is_chosen_for_cached_vector_rows_only():
+    """The streamed grid takes cached rows on the vector path (per kind, up to a number of rows
+    per SM); looped rows and the scalar (unaligned) path keep one block per row block, and give
+    the same bits (tests above and test_sim's scalar twins)."""
+    cached = _config.fwd_spec(4096, BFLOAT16, BFLOAT16, True, False, stream=True)
+    assert cached.layout.cached and cached.stream
+    assert not _config.fwd_spec(4096, BFLOAT16, BFLOAT16, False, False, stream=True).stream
+    looped = _config.fwd_spec(65536, BFLOAT16, BFLOAT16, True, False, stream=True)
+    assert not looped.layout.cached and not looped.stream
+    assert _config.fwd_programs(cached, 10_000, 132, 6) == 132 * 6
+    assert _config.fwd_programs(cached, 100, 132, 6) == 100
+    assert _config.fwd_programs(looped, 10_000, 132, 6) == 10_000
+    limits = _config.FWD_STREAM_ROWS_PER_SM
+    for vendor, kinds in limits.items():
+        for kind, limit in kinds.items():
+            residual, quant = kind == "residual", "int8" if kind == "quant" else ""
+            small = _config.fwd_stream(vendor, residual, quant, 1, 132)
+            large = _config.fwd_stream(vendor, residual, quant, 10**7, 132)
+            assert small == (limit != 0) and large == (limit is None), (vendor, kind)
