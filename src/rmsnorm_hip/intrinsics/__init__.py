@@ -24,6 +24,8 @@ Names every GPU namespace provides
 ``store_b64``, ``store_b32``       8- / 4-byte global store of 2 / 1 uint32 (aligned to its size)
 ``max_nan``                       max of two floats where a NaN wins
 ``max_abs``                       maxnum(acc, |v|): a running max|v| that ignores NaN
+``max_abs_nan`` (cuda, sim only)  max(acc, |v|) where a NaN wins, in one instruction: with it
+                                  the quantiser rounds int8 levels by one fma (kernels/_rowops)
 ``pack_e4m3x2``                    two float32 -> two e4m3fn levels in one uint32 (lo in bits 0-7)
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
                                   two <= warp), every lane gets the result (warp_max: NaN wins)

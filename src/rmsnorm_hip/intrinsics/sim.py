@@ -80,6 +80,10 @@ def max_abs(acc, value):
     return np.fmax(np.float32(acc), np.abs(np.float32(value)))
 
 
+def max_abs_nan(acc, value):
+    return np.maximum(np.float32(acc), np.abs(np.float32(value)))   # NaN wins
+
+
 def _check_aligned(ptr, idx, nbytes=16):
     # the kernel's flat arrays start at 16-byte aligned pointers whenever the vector path runs,
     # so an access of nbytes must sit at a multiple of nbytes from their start
@@ -154,6 +158,6 @@ def build(warp):
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
     return SimpleNamespace(name="sim", warp=warp, gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
-                           max_abs=max_abs,
+                           max_abs=max_abs, max_abs_nan=max_abs_nan,
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
                            atomic_add_f32=atomic_add_f32, **vars(shared))

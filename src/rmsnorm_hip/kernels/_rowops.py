@@ -7,7 +7,7 @@ A chunk is ``layout.chunk`` consecutive elements (16 bytes of x).  The vector fo
 zero-filled).  Both fill the same float32 slots, so every float32 operation after the load is the
 same and a row gives bitwise the same result whichever form ran.
 """
-from numba import float32, int8, uint8, uint16, uint32
+from numba import float32, int8, int32, uint8, uint16, uint32
 
 from .. import _dtypes
 from ._config import CHUNK_BYTES, ceil_div
@@ -213,19 +213,33 @@ def _make_row_reduce(intr, threads, warp_reduce, combine):
     return row_reduce, warps_per_row
 
 
-def make_quant_store(intr, dtype, chunk, n, vector):
+# 1.5 * 2**23: for |v| < 2**22, the float32 v + RNE_MAGIC is an integer, rne(v), held in the low
+# mantissa bits (its low byte is rne(v) as an int8's bits for -128 <= rne(v) <= 127)
+RNE_MAGIC = 12582912.0
+
+
+def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False):
     """``store(ptr, start, col0, vals, slot, inv)``: ``vals[slot : slot + chunk] * inv`` quantised
     to ``dtype`` (int8 or float8_e4m3fn, one byte each) at ``ptr[start + col0 ...]``.  The vector
     form packs a chunk into one 8-byte (chunk 8) or 4-byte (chunk 4) store; the scalar form stores
-    byte by byte, skipping columns past ``n``."""
+    byte by byte, skipping columns past ``n``.
+
+    ``fma_levels`` (int8): each level is the low byte of fma(v, inv, RNE_MAGIC), rne of the exact
+    product in one FFMA, where the conversion took an FMUL and an F2I (a quarter-rate instruction
+    on NVIDIA).  Only for products known finite and within +-127.5, which the caller checks per
+    row (a finite yscale from a max|t| that NaN cannot hide from); otherwise the converting form."""
     jitable = intr.jitable
     encode = codec(intr, dtype)[1]
     signed = dtype == _dtypes.INT8
+    fused = fma_levels and signed
     store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
-    pack_e4m3x2 = intr.pack_e4m3x2
+    pack_e4m3x2, f32_as_u32, fma = intr.pack_e4m3x2, intr.f32_as_u32, intr.fma
+    magic = float32(RNE_MAGIC)
 
     @jitable
     def byte(vals, at, inv):
+        if fused:
+            return f32_as_u32(fma(vals[at], inv, magic)) & uint32(0xFF)
         return uint32(encode(vals[at] * inv) & 0xFF)
 
     @jitable
@@ -250,7 +264,10 @@ def make_quant_store(intr, dtype, chunk, n, vector):
         def store(ptr, start, col0, vals, slot, inv):
             for e in range(chunk):
                 if col0 + e < n:
-                    if signed:
+                    if fused:
+                        bits = byte(vals, slot + e, inv)
+                        ptr[start + col0 + e] = int8(int32(bits) - int32((bits & 0x80) << 1))
+                    elif signed:
                         ptr[start + col0 + e] = int8(encode(vals[slot + e] * inv))
                     else:
                         ptr[start + col0 + e] = uint8(encode(vals[slot + e] * inv))

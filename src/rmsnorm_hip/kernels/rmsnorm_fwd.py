@@ -69,9 +69,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     row_sum, warps_per_row = make_row_sum(intr, threads)
     row_sum_max = make_row_sum_max(intr, threads)
-    store_q = make_quant_store(intr, quant, chunk, n, spec.vector) if quant else None
+    # int8 levels by one fma where a NaN-propagating max|t| tells which rows may take it
+    fma_levels = quant == _dtypes.INT8 and hasattr(intr, "max_abs_nan")
+    store_q = make_quant_store(intr, quant, chunk, n, spec.vector, fma_levels) if quant else None
+    store_q_converted = make_quant_store(intr, quant, chunk, n, spec.vector) if quant else None
     load_x, store_y, load_w, load_s = x_io.load, x_io.store, w_io.load, s_io.load
-    max_abs = intr.max_abs
+    max_abs = intr.max_abs_nan if fma_levels else intr.max_abs
     decode, encode, _ = codec(intr, spec.dtype)
     round_x = spec.dtype != _dtypes.FLOAT32     # float32 h needs no second rounding
     n_f32 = float32(n)
@@ -189,7 +192,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                        weight_offset, vals, rvals, wvals, svals):
         """A quantised row's pass before its one reduction: this thread's share of sum(h**2)
         (the same operations as sumsq_row) and max|t| over its chunks, t kept in vals when
-        cached.  max_abs ignores NaN: a row holding NaN / Inf is caught by its sum of squares."""
+        cached.  max_abs ignores NaN (a row holding NaN / Inf in h is caught by its sum of
+        squares) unless fma_levels, where max|t| is NaN when a t is."""
         acc = float32(0.0)
         amax = float32(0.0)
         for k in range(trips):
@@ -229,7 +233,9 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                     if through_y:
                         for e in range(chunk):
                             vals[slot + e] = vals[slot + e] * r
-                    store_q(q, q_start, col0, vals, slot, s)
+                        store_q_converted(q, q_start, col0, vals, slot, s)
+                    else:
+                        store_q(q, q_start, col0, vals, slot, s)
 
         return quantise_row
 
@@ -260,11 +266,14 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                     yscale[row] = scale
                 inv = float32(1.0) / scale
                 s = r * inv
-                if math.isfinite(s):
+                # fma levels need every t finite: a finite yscale from a max|t| NaN cannot hide
+                # from says so (a non-finite one takes the converting form, through y)
+                if math.isfinite(s) and (math.isfinite(scale) or not fma_levels):
                     quantise_row(x, residual, weight, xscale, y, residual_out, x_start, r_start,
                                  y_start, ro_start, tx, trips, weight_offset, r, s, vals, rvals,
                                  wvals, svals)
-                else:   # max|t| below ~1e-36 (subnormal rows): rstd / yscale overflows
+                else:   # max|t| below ~1e-36 (subnormal rows): rstd / yscale overflows;
+                    # or a t that is NaN / Inf
                     quantise_row_through_y(x, residual, weight, xscale, y, residual_out, x_start,
                                            r_start, y_start, ro_start, tx, trips, weight_offset,
                                            r, inv, vals, rvals, wvals, svals)
