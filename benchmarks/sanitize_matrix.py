@@ -39,9 +39,17 @@ MODES = {
 }
 
 
+# forward rows on the streamed grid (kernels/_config.FWD_STREAM_ROWS_PER_SM: cached vector rows,
+# rms_norm up to 16 rows per SM, quantised rows at any M): enough rows that each of the H200's
+# programs walks two or more of them (both word buffers, both halves of the reduction buffer)
+STREAM_N, STREAM_M = 4096, 1500
+
+
 def case(op, dtype, n, layout, m, m_bwd, quant="int8"):
     if op == "bwd":             # several programs of the persistent grid; 40 looped rows
         m = m_bwd if n <= 4097 else 40
+    elif n == STREAM_N and layout is ALIGNED:
+        m = STREAM_M
     return Case(op=op, dtype=dtype, lead=(m,), n=n, eps=1e-6,
                 seed=n, weight="float32" if dtype != "float32" else "same",
                 weight_offset=1.0 if n % 2 else 0.0, vec_offset=int(layout is UNALIGNED),

@@ -24,13 +24,16 @@ SHAPES = {
             (4096, 5000)],
     "fused": [(32768, 4096), (16384, 8192), (4096, 4096), (1024, 8192)],
     "quant": [(32768, 4096), (16384, 8192), (4096, 4096), (1024, 8192)],
+    # SmoothQuant with a residual (fp8, float32 weight: the heaviest streamed kind) and float32 x
+    "quant_res": [(32768, 4096), (4096, 4096)],
+    "quant_f32": [(16384, 4096), (4096, 4096)],
 }
 VARIANTS = "oneshot,oneshot_off1,stream"
 
 
 def _patch(config, variant):
     limit = None if variant.startswith("stream") else 0
-    kinds = {"plain": limit, "residual": limit, "quant": limit}
+    kinds = dict.fromkeys(("plain", "residual", "quant", "quant_residual"), limit)
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
 
 
@@ -60,6 +63,8 @@ def main():
     cases = [(op, m, n, torch.bfloat16) for op in args.ops.split(",") for m, n in SHAPES[op]]
     if "fwd" in args.ops.split(","):
         cases.append(("fwd", 4096, 4096, torch.float32))
+    cases = [(op, m, n, torch.float32 if op == "quant_f32" else dtype)
+             for op, m, n, dtype in cases]
     for op, m, n, dtype in cases:
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
@@ -71,6 +76,12 @@ def main():
         elif op == "fused":
             nbytes = 4 * m * n * e + n * e
             extra = (torch.randn(m, n, device="cuda", dtype=dtype),)
+        elif op == "quant_res":     # x, residual read; q, residual_out written
+            nbytes = 3 * m * n * e + m * n + m * 4 + n * 4 + n * e
+            w = (1 + 0.1 * torch.randn(n, device="cuda")).float()
+            w1 = w - 1
+            extra = ((1 + 0.2 * torch.rand(n, device="cuda")).to(dtype),
+                     torch.randn(m, n, device="cuda", dtype=dtype))
         else:
             nbytes = m * n * e + m * n + m * 4 + n * e + n * 4
             extra = ((1 + 0.2 * torch.rand(n, device="cuda")).float(),)
@@ -81,6 +92,10 @@ def main():
             if op == "fused":
                 return rmsnorm_hip.fused_add_rms_norm(x, extra[0], weight, 1e-6,
                                                       weight_offset=offset)
+            if op == "quant_res":
+                return rmsnorm_hip.rms_norm_quant(x, weight, 1e-6, xscale=extra[0],
+                                                  residual=extra[1], weight_offset=offset,
+                                                  quant_dtype="float8_e4m3fn")
             return rmsnorm_hip.rms_norm_quant(x, weight, 1e-6, xscale=extra[0],
                                               weight_offset=offset)
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import aligned_copy, assert_bitwise, random_array
 
 from rmsnorm_hip import _cache, backends, rms_norm
-from rmsnorm_hip.kernels import cpu_rmsnorm
+from rmsnorm_hip.kernels import _config, cpu_rmsnorm
 
 
 @pytest.fixture
@@ -44,18 +44,24 @@ def test_cpu_one_build_for_every_m(fresh, rng):
 def test_sim_one_build_per_spec_for_every_m(fresh, use_backend, rng):
     use_backend("sim")
     w = aligned_copy(random_array(rng, 24, "float32"))
-    for m in (3, 40, 1):                                       # vector path, any M
+    # vector path: the streamed grid up to FWD_STREAM_ROWS_PER_SM rows per SM (the simulator
+    # has one), the one-shot grid above; one kernel each, whatever M
+    limit = _config.FWD_STREAM_ROWS_PER_SM["cuda"]["plain"]
+    for m in (3, 40, 1, limit, limit + 1, 2):
         rms_norm(aligned_copy(random_array(rng, (m, 24), "float32")), w)
-    assert list(fwd_keys(fresh).values()) == [1]
+    builds = fwd_keys(fresh)
+    assert list(builds.values()) == [1, 1], builds
+    assert {k[-1].stream for k in builds} == {True, False}
     for m in (2, 5):                                           # scalar path: its own kernel
         rms_norm(aligned_copy(random_array(rng, (m, 24), "float32"), offset=4), w)
     rms_norm(aligned_copy(random_array(rng, (4, 24), "float32")), None)  # no weight: another
 
     builds = fwd_keys(fresh)
-    assert sorted(builds.values()) == [1, 1, 1], builds
+    assert sorted(builds.values()) == [1, 1, 1, 1], builds
     specs = [k[-1] for k in builds]
-    assert {(s.vector, s.weight) for s in specs} == {(True, "float32"), (False, "float32"),
-                                                     (True, "")}
+    assert {(s.vector, s.weight, s.stream) for s in specs} == {
+        (True, "float32", True), (True, "float32", False), (False, "float32", False),
+        (True, "", True)}
     assert all(k[:2] == ("sim", "sim32") for k in builds), builds
 
 

@@ -38,8 +38,8 @@ def _call(op, x, res, w, xs, offset):
 
 
 def _run(be, op, inputs, stream, monkeypatch):
-    every_m = {"plain": None if stream else 0, "residual": None if stream else 0,
-               "quant": None if stream else 0}
+    every_m = dict.fromkeys(("plain", "residual", "quant", "quant_residual"),
+                            None if stream else 0)
     monkeypatch.setattr(_config, "FWD_STREAM_ROWS_PER_SM", {"cuda": every_m, "hip": every_m})
     with launched_specs(be) as specs:
         out = _call(op, *inputs)
@@ -109,7 +109,8 @@ def test_stream_is_chosen_for_cached_vector_rows_only():
     limits = _config.FWD_STREAM_ROWS_PER_SM
     for vendor, kinds in limits.items():
         for kind, limit in kinds.items():
-            residual, quant = kind == "residual", "int8" if kind == "quant" else ""
+            residual, quant = kind.endswith("residual"), "int8" if "quant" in kind else ""
+            assert _config.fwd_kind(residual, quant) == kind
             small = _config.fwd_stream(vendor, residual, quant, 1, 132)
             large = _config.fwd_stream(vendor, residual, quant, 10**7, 132)
             assert small == (limit != 0) and large == (limit is None), (vendor, kind)

@@ -35,13 +35,17 @@ BLOCK_THREADS = 128
 # loads in flight through its rows' reductions and stores (one-shot blocks load, then compute,
 # then store, in step when the batch is a few waves).  Same per-row operations: the same bits.
 # Where it runs, per vendor and kind: the most rows per SM it takes (None: any M; 0: never).
-# H200, bf16, % of copy one-shot -> streamed (results/tune_h200_20261129_s6/tune_stream.json):
-#   rms_norm 1024x8192 71 -> 77, 4096x4096 84 -> 85, 8192x8192 94 -> 92, 32768x4096 97 -> 93
-#   fused add 92 -> 86 at 4096x4096, 3-7 points down elsewhere (95 registers: 3 blocks per SM)
-#   SmoothQuant int8 32768x4096 86 -> 89, 1024x8192 44 -> 48, 16384x8192 / 4096x4096 +-1
+# H200, % of copy one-shot -> streamed (results/tune_h200_20261129_s6/tune_stream*.json):
+#   rms_norm bf16 1024x8192 71 -> 77, 4096x4096 84 -> 85, 8192x8192 94 -> 92, 32768x4096 97 -> 93
+#   fused add bf16 92 -> 86 at 4096x4096, 3-7 points down elsewhere (95 registers: 3 blocks/SM)
+#   SmoothQuant int8 bf16 (fma levels) 32768x4096 87.5 -> 93.6, 16384x8192 84 -> 92, 4096x4096
+#     62 -> 67, 1024x8192 47 -> 49; float32 x 16384x4096 77 -> 89, 4096x4096 64 -> 72
+#   quantised with a residual (bf16 fp8) 32768x4096 97 -> 92, 4096x4096 83 -> 81
 # AMD: not measured, so not streamed.
-FWD_STREAM_ROWS_PER_SM = {"cuda": {"plain": 16, "residual": 0, "quant": None},
-                          "hip": {"plain": 0, "residual": 0, "quant": 0}}
+FWD_STREAM_ROWS_PER_SM = {
+    "cuda": {"plain": 16, "residual": 0, "quant": None, "quant_residual": 0},
+    "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
+}
 
 def ceil_div(a, b):
     return -(-a // b)
@@ -120,10 +124,16 @@ class FwdSpec:
         return self.residual or bool(self.quant) or bool(self.xscale)
 
 
+def fwd_kind(residual, quant):
+    """The forward's kinds as FWD_STREAM_ROWS_PER_SM names them."""
+    if quant:
+        return "quant_residual" if residual else "quant"
+    return "residual" if residual else "plain"
+
+
 def fwd_stream(vendor, residual, quant, m, sm_count):
     """Whether a forward of ``m`` rows takes the streamed grid (where its spec can)."""
-    kind = "quant" if quant else "residual" if residual else "plain"
-    limit = FWD_STREAM_ROWS_PER_SM[vendor][kind]
+    limit = FWD_STREAM_ROWS_PER_SM[vendor][fwd_kind(residual, quant)]
     return limit is None or m <= limit * sm_count
 
 

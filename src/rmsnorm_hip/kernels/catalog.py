@@ -50,8 +50,7 @@ def _streams(vector, layout, vendor, residual, quant):
     """The values of FwdSpec.stream a call may launch (both where it depends on M)."""
     if not (vector and layout.cached):
         return (False,)
-    limit = _config.FWD_STREAM_ROWS_PER_SM[vendor][
-        "quant" if quant else "residual" if residual else "plain"]
+    limit = _config.FWD_STREAM_ROWS_PER_SM[vendor][_config.fwd_kind(residual, quant)]
     return (True,) if limit is None else (False,) if limit == 0 else (False, True)
 
 
