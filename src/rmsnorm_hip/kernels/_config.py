@@ -47,6 +47,7 @@ FWD_STREAM_ROWS_PER_SM = {
     "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
 }
 
+
 def ceil_div(a, b):
     return -(-a // b)
 

@@ -16,11 +16,17 @@ row; the last pass scales and stores them.  A quantised row takes max|t| in pass
 reduces it in the same round as the sum of squares (one barrier), so q is written only once the
 whole row is known.  Cached layouts keep the row (h, or t when quantised) in registers between
 the passes and store residual_out once all their loads are issued; looped ones re-read x (and
-residual) in every pass and store residual_out in the last.  No pass reads what the kernel wrote, and each thread reads a chunk before it writes
-that chunk and nothing else, so ``y`` may be ``x`` and ``residual_out`` ``residual`` (the
-in-place entry point).  Each block owns ``rows`` rows; a row's arithmetic does not depend on the
-grid.  Rows past M take part in the reductions and store nothing; absent arrays are null
-pointers that are never touched.
+residual) in every pass and store residual_out in the last.  No pass reads what the kernel
+wrote, and each thread reads a chunk before it writes that chunk and nothing else, so ``y`` may
+be ``x`` and ``residual_out`` ``residual`` (the in-place entry point).  Each block owns ``rows``
+rows; a row's arithmetic does not depend on the grid.  Rows past M take part in the reductions
+and store nothing; absent arrays are null pointers that are never touched.
+
+Streamed (``FwdSpec.stream``, cached vector rows; chosen per call, kernels/_config): a persistent
+grid whose block p takes the row blocks p, p + P, ...; each thread holds a row's chunks as the
+loaded 32-bit words and loads the next row's words before this row's stores and reduction (two
+word buffers, used alternately).  The float32 operations per row are the cached one-shot
+row's, so the bits are too.  Rows of another program are never read, so in place still holds.
 """
 import math
 
