@@ -271,3 +271,42 @@ def test_torch_cpu_tensors(rng):
             assert_bitwise(yscale.numpy(), s_np, "torch yscale vs NumPy")
             assert_bitwise(to_numpy(ro), ro_np, "torch residual_out vs NumPy")
 
+
+
+def test_rne_magic_low_byte_is_the_int8_level():
+    """The identity behind the GPU's int8 levels (kernels/_rowops.make_quant_store, fma_levels):
+    for |v| < 127.5 (the quantiser's |t s| is at most 127 plus a few float32 roundings), the
+    float32 v + 1.5 * 2**23 is v rounded to the nearest integer, ties to even, and its low byte
+    is that integer's int8 bits.  Every multiple of 1/64 in the range, every tie, zeros of both
+    signs, tiny values and the values just inside the ends."""
+    from rmsnorm_hip.kernels._rowops import RNE_MAGIC
+    grid = np.arange(-127.5 * 64 + 1, 127.5 * 64) / 64
+    ties = np.arange(-127, 127) + 0.5
+    inside = np.nextafter(np.float32(127.5), np.float32(0))
+    edges = np.array([-0.0, 0.0, 1e-30, -1e-30, 0.49999997, -0.49999997, inside, -inside],
+                     np.float64)
+    v = np.concatenate([grid, ties, edges]).astype(np.float32)
+    bits = (v + np.float32(RNE_MAGIC)).view(np.uint32)
+    level = (bits & 0xFF).astype(np.uint8).view(np.int8)
+    expected = np.rint(v.astype(np.float64))          # numpy's rint: ties to even
+    assert np.array_equal(level.astype(np.float64), expected)
+    assert expected.min() == -127 and expected.max() == 127
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("where", ["weight", "xscale"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_sim_non_finite_t_takes_the_converting_levels(rng, use_backend, where, bad):
+    """The GPU kernel rounds int8 levels with one fma only when every t = h w xscale of the row
+    is finite, which its max|t| (NaN winning) says; a NaN / Inf weight or xscale puts one in
+    every row, so every yscale is non-finite (API.md leaves those rows' q and yscale unspecified)
+    and the levels come from the converting form, not from the fma's bytes."""
+    use_backend("sim")
+    x, w, kwargs = make_call(rng, (3, 256), "bfloat16", "float32", "xscale_f32")
+    x = aligned_copy(x)
+    target = w if where == "weight" else kwargs["xscale"]
+    target[5] = bad
+    q, yscale = rms_norm_quant(x, aligned_copy(w), quant_dtype="int8",
+                               xscale=aligned_copy(kwargs["xscale"]))
+    assert not np.isfinite(yscale).any(), yscale
+    assert (q == 0).all(), q          # t * (rstd / yscale) is 0 or NaN: the conversion gives 0
