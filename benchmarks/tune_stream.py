@@ -1,9 +1,11 @@
 """Streamed forward sweep on a GPU: one-block-per-row launches against the persistent streamed
-grid (kernels/_config.FWD_STREAM_ROWS_PER_SM), for rms_norm, the fused residual add and SmoothQuant int8,
-bf16 (and float32 for rms_norm).  Device time as the benchmark measures it (CUPTI kernel time,
-256 MB write flush before each call).  Every variant's outputs are compared bit for bit with the
-one-shot kernel's (same per-row layout, so they must be equal).  One JSON line per (op, shape,
-variant); all of them in --out (default $OUT or .)/tune_stream.json.
+grid (kernels/_config.FWD_STREAM_ROWS_PER_SM).  Ops: ``fwd`` (rms_norm, bf16 and one float32
+shape), ``fused`` (the residual add), ``quant`` (SmoothQuant int8), ``quant_res`` (SmoothQuant
+fp8 with a residual, float32 weight) and ``quant_f32`` (SmoothQuant int8 of float32 x); bf16
+unless said.  Device time as the benchmark measures it (CUPTI kernel time, 256 MB write flush
+before each call).  Every variant's outputs are compared bit for bit with the first variant's
+(same per-row layout, so they must be equal; a "!" in the table marks a difference).  One JSON
+line per (op, shape, variant); all of them in --out (default $OUT or .)/tune_stream.json.
 
     PYTHONPATH=src python3 benchmarks/tune_stream.py [--ops fwd,fused,quant] [--variants ...]
 
