@@ -35,7 +35,7 @@ VARIANTS = "oneshot,oneshot_off1,stream"
 
 def _patch(config, variant):
     limit = None if variant.startswith("stream") else 0
-    kinds = dict.fromkeys(("plain", "residual", "quant", "quant_residual"), limit)
+    kinds = dict.fromkeys(config.FWD_STREAM_ROWS_PER_SM["cuda"], limit)
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
 
 

@@ -38,8 +38,7 @@ def _call(op, x, res, w, xs, offset):
 
 
 def _run(be, op, inputs, stream, monkeypatch):
-    every_m = dict.fromkeys(("plain", "residual", "quant", "quant_residual"),
-                            None if stream else 0)
+    every_m = dict.fromkeys(_config.FWD_STREAM_ROWS_PER_SM["cuda"], None if stream else 0)
     monkeypatch.setattr(_config, "FWD_STREAM_ROWS_PER_SM", {"cuda": every_m, "hip": every_m})
     with launched_specs(be) as specs:
         out = _call(op, *inputs)

@@ -46,11 +46,18 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
     if out is None and dtype is None:
         key = _arrays.fast_key(x, weight, (return_rstd, _environ.get(backends.ENV)))
         if key is not None:
-            run = _fwd_runners.get(key)
-            if run is not None and _plain_scalars(eps, weight_offset, weight):
+            run = _runner(_fwd_runners, key, eps, weight_offset, weight)
+            if run is not None:
                 return run(x, weight, eps, weight_offset)
             return _rms_norm(x, weight, eps, weight_offset, None, return_rstd, None, key)
     return _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, None)
+
+
+def _runner(runners, key, eps, weight_offset, weight):
+    """The repeat-call runner kept under ``key`` (None: no key) when this call's scalars let it
+    run as they are, else None (full validation then raises or converts them)."""
+    run = runners.get(key) if key is not None else None
+    return run if run is not None and _plain_scalars(eps, weight_offset, weight) else None
 
 
 def _plain_scalars(eps, weight_offset, weight):
@@ -134,8 +141,8 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0,
     if dtype is None and type(return_rstd) is bool:
         key = _arrays.fast_key(x, weight, (fn, return_rstd, _environ.get(backends.ENV)),
                                (residual,))
-        run = _fused_runners.get(key) if key is not None else None
-        if run is not None and _plain_scalars(eps, weight_offset, weight):
+        run = _runner(_fused_runners, key, eps, weight_offset, weight)
+        if run is not None:
             y, residual_out, rstd, _ = run(x, residual, weight, None, eps, weight_offset)
             return (y, residual_out, rstd) if return_rstd else (y, residual_out)
     _validate.flag(return_rstd, fn, "return_rstd")
@@ -154,10 +161,9 @@ def fused_add_rms_norm_(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0
     key = None
     if dtype is None:
         key = _arrays.fast_key(x, weight, (fn, _environ.get(backends.ENV)), (residual,))
-        run = _fused_runners.get(key) if key is not None else None
+        run = _runner(_fused_runners, key, eps, weight_offset, weight)
         # None: the arrays' spans meet, which full validation looks at
-        if (run is not None and _plain_scalars(eps, weight_offset, weight)
-                and run(x, residual, weight, None, eps, weight_offset) is not None):
+        if run is not None and run(x, residual, weight, None, eps, weight_offset) is not None:
             return
     _validate.required(residual, fn, "residual")
     _fused_forward(fn, x, residual, weight, eps, weight_offset, dtype, in_place=True,
@@ -196,8 +202,8 @@ def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quan
     if dtype is None and type(quant_dtype).__hash__ is not None:
         key = _arrays.fast_key(x, weight, (fn, quant_dtype, _environ.get(backends.ENV)),
                                (residual, xscale))
-        run = _fused_runners.get(key) if key is not None else None
-        if run is not None and _plain_scalars(eps, weight_offset, weight):
+        run = _runner(_fused_runners, key, eps, weight_offset, weight)
+        if run is not None:
             q, residual_out, _, yscale = run(x, residual, weight, xscale, eps, weight_offset)
             return (q, yscale) if residual is None else (q, yscale, residual_out)
     quant = _validate.quant_dtype(quant_dtype, fn)
@@ -280,9 +286,8 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, *, weight_offset=0.0, dresi
     if dtype is None:
         key = _arrays.fast_key(x, weight, (_environ.get(backends.ENV),), (dy, rstd, dresidual))
         if key is not None:
-            run = _bwd_runners.get(key)
-            if (run is not None and _plain_scalars(eps, weight_offset, weight)
-                    and type(deterministic) is bool):
+            run = _runner(_bwd_runners, key, eps, weight_offset, weight)
+            if run is not None and type(deterministic) is bool:
                 return run(dy, x, weight, rstd, dresidual, eps, weight_offset)
             return _rms_norm_backward(dy, x, weight, rstd, weight_offset, dresidual,
                                       deterministic, eps, None, key)

@@ -46,12 +46,10 @@ class Variant:
         return not getattr(self.spec, "quant", "") or self.spec.residual
 
 
-def _streams(vector, layout, vendor, residual, quant):
-    """The values of FwdSpec.stream a call may launch (both where it depends on M)."""
-    if not (vector and layout.cached):
-        return (False,)
-    limit = _config.FWD_STREAM_ROWS_PER_SM[vendor][_config.fwd_kind(residual, quant)]
-    return (True,) if limit is None else (False,) if limit == 0 else (False, True)
+def _streams(vendor, residual, quant):
+    """The values of FwdSpec.stream a call of this kind may ask for on ``vendor`` (both where
+    _config.fwd_stream depends on M; fwd_spec drops it where the layout cannot stream)."""
+    return tuple(sorted({_config.fwd_stream(vendor, residual, quant, m, 1) for m in (1, 1 << 62)}))
 
 
 def fwd_variants(ns=FWD_REPRESENTATIVE_N, vendor="cuda"):
@@ -63,9 +61,11 @@ def fwd_variants(ns=FWD_REPRESENTATIVE_N, vendor="cuda"):
             for weight in weights:
                 for vector in ([True, False] if vector_ok else [False]):
                     for store_rstd in (True, False):
-                        for stream in _streams(vector, layout, vendor, False, ""):
-                            spec = _config.fwd_spec(n, dtype, weight, vector, store_rstd,
-                                                    stream=stream, vendor=vendor)
+                        specs = dict.fromkeys(
+                            _config.fwd_spec(n, dtype, weight, vector, store_rstd, stream=stream,
+                                             vendor=vendor)
+                            for stream in _streams(vendor, False, ""))
+                        for spec in specs:
                             yield Variant("fwd", rmsnorm_fwd.make_rmsnorm_fwd, spec,
                                           rmsnorm_fwd.argtypes(spec))
 
@@ -86,9 +86,8 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N, vendor="cuda"):
             layout = _config.row_layout(n, dtype)
             for vector in ([True, False] if n % layout.chunk == 0 else [False]):
                 def spec(weight, store_rstd, residual, quant="", xscale="", offset=True):
-                    quant_layout = _config.fwd_spec(n, dtype, weight, vector, store_rstd,
-                                                    residual, quant, xscale).layout
-                    stream = _streams(vector, quant_layout, vendor, residual, quant)[-1]
+                    # streamed where that kind streams at some M (fwd_spec: if it can)
+                    stream = _streams(vendor, residual, quant)[-1]
                     return _config.fwd_spec(n, dtype, weight, vector, store_rstd, residual,
                                             quant, xscale, offset, stream, vendor)
                 if vector or n % layout.chunk:      # the vector form, or a ragged N's only form

@@ -78,7 +78,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     # int8 levels by one fma where a NaN-propagating max|t| tells which rows may take it
     fma_levels = quant == _dtypes.INT8 and hasattr(intr, "max_abs_nan")
     store_q = make_quant_store(intr, quant, chunk, n, spec.vector, fma_levels) if quant else None
-    store_q_converted = make_quant_store(intr, quant, chunk, n, spec.vector) if quant else None
+    store_q_converted = (make_quant_store(intr, quant, chunk, n, spec.vector) if fma_levels
+                         else store_q)
     load_x, store_y, load_w, load_s = x_io.load, x_io.store, w_io.load, s_io.load
     max_abs = intr.max_abs_nan if fma_levels else intr.max_abs
     decode, encode, _ = codec(intr, spec.dtype)
