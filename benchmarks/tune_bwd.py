@@ -4,6 +4,7 @@ kernels/_config.py, patched here.  Prints one JSON line per (shape, setting) and
 --out (default $OUT or .)/tune_bwd.json.
 
     PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings prefetch,no_prefetch] [--dres]
+        [--shapes 4096x4096,...] [--flush write|read] [--tag _suffix]
 """
 import argparse
 import json
@@ -24,6 +25,9 @@ SETTINGS = {
     # dresidual (--dres): its words loaded with x / dy before the reduction, or in pass 2
     "dres_early": {"BWD_EARLY_DRESIDUAL": True},
     "dres_late": {"BWD_EARLY_DRESIDUAL": False},
+    # the forward's rstd of the next row loaded with its words, or in the row's own pass
+    "rstd_next": {"BWD_PREFETCH_RSTD": True},
+    "rstd_late": {"BWD_PREFETCH_RSTD": False},
     # the dweight reduction: row groups per block x loads batched per thread
     "reduce_g8_b4": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 4},
     "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},
@@ -38,6 +42,9 @@ def main():
     ap.add_argument("--settings", default="prefetch,no_prefetch")
     ap.add_argument("--dres", action="store_true", help="time the dresidual form")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    ap.add_argument("--shapes", default="", help="MxN,... (default: SHAPES)")
+    ap.add_argument("--flush", default="write", help="L2 flush: write (the benchmark's) or read")
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
 
     import torch
@@ -48,11 +55,14 @@ def main():
     from rmsnorm_hip.kernels import _config
 
     copy = timing.cuda_copy_bandwidth()["gbps"]
-    flush = timing.L2Flush("write")
+    flush = timing.L2Flush(args.flush)
     rows = []
     dtype = getattr(torch, args.dtype)
     size = torch.finfo(dtype).bits // 8
-    for m, n in SHAPES if dtype == torch.bfloat16 else [(4096, 4096), (8192, 4096)]:
+    shapes = SHAPES if dtype == torch.bfloat16 else [(4096, 4096), (8192, 4096)]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    for m, n in shapes:
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         dy = torch.randn_like(x)
         dres = torch.randn_like(x) if args.dres else None
@@ -81,9 +91,11 @@ def main():
         del x, dy, dres
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    name = f"tune_bwd{'_dres' if args.dres else ''}{'' if args.dtype == 'bfloat16' else '_' + args.dtype}.json"
+    name = (f"tune_bwd{'_dres' if args.dres else ''}"
+            f"{'' if args.dtype == 'bfloat16' else '_' + args.dtype}{args.tag}.json")
     with open(os.path.join(args.out, name), "w") as f:
-        json.dump(dict(copy_gbps=copy, dres=args.dres, dtype=args.dtype, rows=rows), f, indent=1)
+        json.dump(dict(copy_gbps=copy, dres=args.dres, dtype=args.dtype, flush=args.flush,
+                       rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

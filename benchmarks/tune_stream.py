@@ -8,6 +8,7 @@ before each call).  Every variant's outputs are compared bit for bit with the fi
 line per (op, shape, variant); all of them in --out (default $OUT or .)/tune_stream.json.
 
     PYTHONPATH=src python3 benchmarks/tune_stream.py [--ops fwd,fused,quant] [--variants ...]
+        [--shapes MxN,...] [--tag _suffix]
 
 Variants (``name``: what _config is patched to):
   oneshot         FWD_STREAM_ROWS_PER_SM all 0 (one block per row block)
@@ -44,6 +45,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--ops", default="fwd,fused,quant")
     ap.add_argument("--variants", default=VARIANTS)
+    ap.add_argument("--shapes", default="", help="MxN,... for every op (default: SHAPES)")
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
 
     import torch
@@ -62,8 +65,12 @@ def main():
     copy = timing.cuda_copy_bandwidth()["gbps"]
     flush = timing.L2Flush("write")
     rows = []
-    cases = [(op, m, n, torch.bfloat16) for op in args.ops.split(",") for m, n in SHAPES[op]]
-    if "fwd" in args.ops.split(","):
+    shapes = {op: SHAPES[op] for op in args.ops.split(",")}
+    if args.shapes:
+        sweep = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        shapes = dict.fromkeys(shapes, sweep)
+    cases = [(op, m, n, torch.bfloat16) for op in shapes for m, n in shapes[op]]
+    if "fwd" in shapes and not args.shapes:
         cases.append(("fwd", 4096, 4096, torch.float32))
     cases = [(op, m, n, torch.float32 if op == "quant_f32" else dtype)
              for op, m, n, dtype in cases]
@@ -122,7 +129,7 @@ def main():
         del x, extra
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tune_stream.json"), "w") as f:
+    with open(os.path.join(args.out, f"tune_stream{args.tag}.json"), "w") as f:
         json.dump(dict(copy_gbps=copy, rows=rows), f, indent=1)
     names = args.variants.split(",")
     print(f"copy {copy:.0f} GB/s; % of copy")

@@ -192,6 +192,12 @@ BWD_PACK_32BIT = True
 BWD_PREFETCH = True
 # packed dresidual rows load dresidual with x and dy, before the row's reduction
 BWD_EARLY_DRESIDUAL = True
+# prefetching rows (rstd given, no dresidual) load the next row's rstd with its words.  H200,
+# bf16, % of copy, next / in its row (results/tune_h200_20261130_s7/tune_bwd_rstd.json):
+# 32768x4096 95.6 / 94.8, 16384x8192 92.9 / 92.5, 8192x8192 88.8 / 87.5, 4096x4096 72.8 / 72.5,
+# 1024x8192 56.0 / 56.3.  The dresidual form lost 9-19 points with it (..._dres_rstd_scalar_ws
+# .json; ptxas 13.5 gives that form 62 registers and no spills: cause not established)
+BWD_PREFETCH_RSTD = True
 
 
 def bwd_row_layout(n, dtype):
@@ -217,6 +223,7 @@ class BwdSpec:
     packed: bool = False    # x and dy kept as loaded 16-bit pairs between the passes
     prefetch: bool = False  # packed rows: the next row's words loaded before this row's reduction
     early_dres: bool = False    # packed rows: dresidual's words loaded before the reduction too
+    prefetch_rstd: bool = False     # prefetching rows: the next row's rstd loaded with its words
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
@@ -226,10 +233,13 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
     # with rstd recomputed and dresidual too, the prefetch words take the kernel past 64
     # registers (4 B spilled, ptxas 13.5, N = 4096 bf16 with weight): that pair goes without
     both = recompute_rstd and dresidual
+    prefetch = packed and BWD_PREFETCH and not both
     return BwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
-                   packed=packed, prefetch=packed and BWD_PREFETCH and not both,
-                   early_dres=packed and dresidual and BWD_EARLY_DRESIDUAL)
+                   packed=packed, prefetch=prefetch,
+                   early_dres=packed and dresidual and BWD_EARLY_DRESIDUAL,
+                   prefetch_rstd=(prefetch and not recompute_rstd and not dresidual
+                                  and BWD_PREFETCH_RSTD))
 
 
 def launch_bounds(spec):

@@ -60,6 +60,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # each thread has two rows' loads in flight instead of one
     prefetch = spec.prefetch
     next_words = words if prefetch else 1
+    # the next row's rstd (given by the forward) is loaded with its words rather than in its
+    # own row, where pass 2 waited on it (see _config.BWD_PREFETCH_RSTD)
+    next_rstd = spec.prefetch_rstd
     # early dresidual (packed rows): the row's dresidual words are loaded with its x / dy, before
     # the reduction, instead of in pass 2 after it (where each row waited for them)
     early_dres = spec.early_dres
@@ -68,6 +71,12 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     row_sum, warps_per_row = make_row_sum(intr, threads)
     n_f32 = float32(n)
+    # cached layouts write their partial dweight rows to the workspace (float32, allocated
+    # here: rows 16-byte aligned when n % 4 == 0) in 128-bit stores.  As scalar stores they
+    # cost ~7 us of every call on the H200 (4096x4096 bf16: 37.4 -> 30.4 us; one row a program:
+    # 13.8 -> 6.1 us; benchmarks/NOTES.md).  Looped layouts keep their read-modify-write of it
+    # per element: as 128-bit accesses the dresidual forms spilled (ptxas 13.5)
+    ws_store_4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, n % 4 == 0).store
 
     @jitable
     def load_or_zero(ptr, start, col0, live, vals, slot):
@@ -97,6 +106,13 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 for e in range(4):
                     xw[k * 4 + e] = uint32(0)
                     dw[k * 4 + e] = uint32(0)
+
+    @jitable
+    def ws_store(ws, start, col0, vals, slot):
+        """A chunk's floats to the workspace, 4 at a time (each group inside n or past it)."""
+        for a in range(chunk // 4):
+            if col0 + a * 4 < n:
+                ws_store_4(ws, start, col0 + a * 4, vals, slot + a * 4)
 
     @jitable
     def weighted(dv, wv, slot, wslot, weight_offset, out):
@@ -151,8 +167,12 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         # keeps those loops rolled; unrolled, their loads spill (seen on gfx942 at N=65536)
         trips = per_thread if cached else per_thread + (m >> 63)
         parity = 0
+        r_next = float32(0.0)
         if prefetch:
-            load_row_words(x, dy, program * rows + ty, m, x_stride, dy_stride, tx, xw, dw)
+            first = program * rows + ty
+            load_row_words(x, dy, first, m, x_stride, dy_stride, tx, xw, dw)
+            if next_rstd and first < m:
+                r_next = rstd[first]
         for it in range(iters):
             row = (program + it * programs) * rows + ty
             live = row < m
@@ -163,8 +183,11 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                     col0 = (tx + k * threads) * chunk
                     if live and col0 < n:
                         load_words(dres, row * dres_stride, col0, rw, k * 4)
+            r_row = r_next
             if prefetch:
                 load_row_words(x, dy, row + step, m, x_stride, dy_stride, tx, xn, dn)
+                if next_rstd:
+                    r_next = rstd[row + step] if row + step < m else float32(0.0)
             # pass 1: sum(x * wdy) and, when recomputing rstd, sum(x * x)
             s = float32(0.0)
             ss = float32(0.0)
@@ -201,6 +224,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 ss = row_sum(ss, red, parity, ty, tx)
                 parity ^= 1
                 r = float32(1.0) / math.sqrt(ss / n_f32 + eps)
+            elif next_rstd:
+                r = r_row
             else:
                 r = rstd[row] if live else float32(0.0)
             s = row_sum(s, red, parity, ty, tx)
@@ -249,10 +274,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                     dw[e] = dn[e]
         if cached and has_weight:
             for k in range(per_thread):
-                col0 = (tx + k * threads) * chunk
-                for e in range(chunk):
-                    if col0 + e < n:
-                        ws[ws_start + col0 + e] = acc[k * chunk + e]
+                ws_store(ws, ws_start, (tx + k * threads) * chunk, acc, k * chunk)
 
     return rmsnorm_bwd
 

@@ -1,0 +1,36 @@
+"""Drives a few calls of one entry point for Nsight Compute (no CUPTI of its own, which ncu
+would contend with), bf16 x of M x N:
+
+    ncu --clock-control none -k regex:rmsnorm -s 2 -c 1 --section WarpStateStats \\
+        python3 benchmarks/ncu_ops.py bwd 4096 4096
+
+ops: fwd, fused, quant (SmoothQuant int8), bwd, bwd_dres
+"""
+import sys
+
+
+def main():
+    import torch
+
+    import rmsnorm_hip
+
+    op, m, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    other = torch.randn_like(x)
+    w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
+    xscale = (1 + 0.1 * torch.rand(n, device="cuda"))
+    rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
+    calls = {
+        "fwd": lambda: rmsnorm_hip.rms_norm(x, w, 1e-6),
+        "fused": lambda: rmsnorm_hip.fused_add_rms_norm(x, other, w, 1e-6),
+        "quant": lambda: rmsnorm_hip.rms_norm_quant(x, w, 1e-6, xscale=xscale),
+        "bwd": lambda: rmsnorm_hip.rms_norm_backward(other, x, w, rstd),
+        "bwd_dres": lambda: rmsnorm_hip.rms_norm_backward(other, x, w, rstd, dresidual=x),
+    }
+    for _ in range(4):
+        calls[op]()
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
