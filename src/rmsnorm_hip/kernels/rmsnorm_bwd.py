@@ -71,12 +71,14 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     row_sum, warps_per_row = make_row_sum(intr, threads)
     n_f32 = float32(n)
-    # cached layouts write their partial dweight rows to the workspace (float32, allocated
-    # here: rows 16-byte aligned when n % 4 == 0) in 128-bit stores.  As scalar stores they
-    # cost ~7 us of every call on the H200 (4096x4096 bf16: 37.4 -> 30.4 us; one row a program:
-    # 13.8 -> 6.1 us; benchmarks/NOTES.md).  Looped layouts keep their read-modify-write of it
-    # per element: as 128-bit accesses the dresidual forms spilled (ptxas 13.5)
-    ws_store_4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, n % 4 == 0).store
+    # cached vector layouts write their partial dweight rows to the workspace (float32,
+    # allocated here: rows 16-byte aligned when n % 4 == 0) in 128-bit stores.  As scalar
+    # stores they cost ~7 us of every call on the H200 (4096x4096 bf16: 37.4 -> 30.4 us; one row
+    # a program: 13.8 -> 6.1 us; benchmarks/NOTES.md).  The scalar (unaligned-row) variants keep
+    # scalar stores, so that they issue no vector access at all (tests/test_compile.py); looped
+    # layouts keep their per-element read-modify-write: as 128-bit accesses the dresidual forms
+    # spilled (ptxas 13.5)
+    ws_store_4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, spec.vector and n % 4 == 0).store
 
     @jitable
     def load_or_zero(ptr, start, col0, live, vals, slot):
