@@ -182,6 +182,31 @@ def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, d
 
 
 @pytest.mark.sim
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_sim_next_rstd_gives_the_in_row_bits(rng, use_backend, monkeypatch, dtype):
+    """Prefetching rows with the forward's rstd load the next row's rstd with its words
+    (BwdSpec.prefetch_rstd) or in the row itself: the same bits.  Not with dresidual (measured
+    slower there) nor with rstd recomputed (there is none to load)."""
+    use_backend("sim")
+    x, dy = random_array(rng, (5, 1024), dtype), random_array(rng, (5, 1024), dtype)
+    w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True)[1]
+    assert _config.bwd_spec(1024, dtype, dtype, True, False, False).prefetch_rstd
+    assert not _config.bwd_spec(1024, dtype, dtype, True, False, True).prefetch_rstd
+    assert not _config.bwd_spec(1024, dtype, dtype, True, True, False).prefetch_rstd
+    ahead = rms_norm_backward(dy, x, w, rstd)
+    ref = rms_norm_backward_ref(dy, x, w, rstd)
+    assert_dx(ahead[0], dy, x, w, rstd, ref[0], dtype)
+    assert_dweight(ahead[1], ref[1], dtype)
+    monkeypatch.setattr(_config, "BWD_PREFETCH_RSTD", False)
+    spec = _config.bwd_spec(1024, dtype, dtype, True, False, False)
+    assert spec.prefetch and not spec.prefetch_rstd
+    in_row = rms_norm_backward(dy, x, w, rstd)
+    assert_bitwise(ahead[0], in_row[0], "dx, next-row rstd vs in the row")
+    assert_bitwise(ahead[1], in_row[1], "dweight, next-row rstd vs in the row")
+
+
+@pytest.mark.sim
 @pytest.mark.parametrize("dtype,given_rstd", [("bfloat16", True), ("float32", False)])
 def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, dtype, given_rstd):
     """Packed rows with dresidual load its words before the row's reduction (BwdSpec.early_dres)
