@@ -52,6 +52,7 @@ def main():
     import rmsnorm_hip
     from rmsnorm_hip import backends
     from rmsnorm_hip._bench import timing
+    from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
     from rmsnorm_hip.kernels import _config
 
     copy = timing.cuda_copy_bandwidth()["gbps"]
@@ -61,7 +62,7 @@ def main():
     size = torch.finfo(dtype).bits // 8
     shapes = SHAPES if dtype == torch.bfloat16 else [(4096, 4096), (8192, 4096)]
     if args.shapes:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        shapes = [_shape(s) for s in args.shapes.split(",")]
     for m, n in shapes:
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         dy = torch.randn_like(x)

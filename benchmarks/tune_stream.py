@@ -54,6 +54,7 @@ def main():
     import rmsnorm_hip
     from rmsnorm_hip import backends, functional
     from rmsnorm_hip._bench import timing
+    from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
     from rmsnorm_hip.kernels import _config
 
     def fresh():
@@ -67,7 +68,7 @@ def main():
     rows = []
     shapes = {op: SHAPES[op] for op in args.ops.split(",")}
     if args.shapes:
-        sweep = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        sweep = [_shape(s) for s in args.shapes.split(",")]
         shapes = dict.fromkeys(shapes, sweep)
     cases = [(op, m, n, torch.bfloat16) for op in shapes for m, n in shapes[op]]
     if "fwd" in shapes and not args.shapes:

@@ -272,7 +272,6 @@ def test_torch_cpu_tensors(rng):
             assert_bitwise(to_numpy(ro), ro_np, "torch residual_out vs NumPy")
 
 
-
 def test_rne_magic_low_byte_is_the_int8_level():
     """The identity behind the GPU's int8 levels (kernels/_rowops.make_quant_store, fma_levels):
     for |v| < 127.5 (the quantiser's |t s| is at most 127 plus a few float32 roundings), the

@@ -111,7 +111,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
 
     @jitable
     def ws_store(ws, start, col0, vals, slot):
-        """A chunk's floats to the workspace, 4 at a time (each group inside n or past it)."""
+        """A chunk's floats to the workspace, 4 at a time: groups past n are skipped (the
+        vector form's groups lie wholly inside or past n; the scalar form checks each element)."""
         for a in range(chunk // 4):
             if col0 + a * 4 < n:
                 ws_store_4(ws, start, col0 + a * 4, vals, slot + a * 4)
