@@ -33,6 +33,10 @@ SETTINGS = {
     "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},
     "reduce_g16_b8": {"BWD_REDUCE_GROUPS": 16, "BWD_REDUCE_BATCH": 8},
     "reduce_g32_b8": {"BWD_REDUCE_GROUPS": 32, "BWD_REDUCE_BATCH": 8},
+    "reduce_g8_b16": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 16},
+    "reduce_g8_b32": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 32},
+    "reduce_g16_b16": {"BWD_REDUCE_GROUPS": 16, "BWD_REDUCE_BATCH": 16},
+    "reduce_g4_b32": {"BWD_REDUCE_GROUPS": 4, "BWD_REDUCE_BATCH": 32},
 }
 
 

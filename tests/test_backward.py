@@ -248,3 +248,38 @@ def test_sim_backward_runner_gives_the_validated_bits(rng, use_backend, weight, 
         assert got[1] is None
     else:
         assert_bitwise(got[1], expected[1], "dweight")
+
+
+def _reduce_in_order(ws, groups):
+    """dweight_reduce's documented order in float32: rows g, g + groups, ... one after the other
+    within each group, then the group sums in group order."""
+    total = np.zeros(ws.shape[1], np.float32)
+    for g in range(groups):
+        part = np.zeros(ws.shape[1], np.float32)
+        for row in ws[g::groups]:
+            part = (part + row).astype(np.float32)
+        total = (total + part).astype(np.float32)
+    return total
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("wdtype", [FLOAT32, BFLOAT16])
+@pytest.mark.parametrize("ws_rows", [1, 2, 5, 11, 14])
+def test_sim_dweight_reduce_keeps_its_order(rng, use_backend, wdtype, ws_rows):
+    """The reduction's batched loads (full batches and a masked last one) add in the documented
+    order: its bits equal a one-at-a-time float32 sum, every column of dweight written."""
+    import ml_dtypes
+
+    from rmsnorm_hip import _dtypes
+    from rmsnorm_hip.kernels import rmsnorm_bwd
+    be = use_backend("sim")
+    spec = _config.ReduceSpec(weight=wdtype, columns=4, groups=3, batch=2)
+    kernel = be.kernel(rmsnorm_bwd.make_dweight_reduce, spec, rmsnorm_bwd.reduce_argtypes(spec))
+    n = 10                                   # three blocks of 4 columns, the last one partial
+    ws = rng.standard_normal((ws_rows, n)).astype(np.float32) * np.float32(1e3)
+    dweight = np.full(n, 0xFFFF if wdtype == BFLOAT16 else np.nan, _dtypes.STORAGE[wdtype])
+    kernel[(3, 1, 1), (4, 3, 1)](ws.reshape(-1), dweight, ws_rows, n)
+    expect = _reduce_in_order(ws, spec.groups)
+    if wdtype == BFLOAT16:
+        expect = expect.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert_bitwise(dweight, expect, f"dweight of {ws_rows} workspace rows")

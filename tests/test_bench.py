@@ -66,3 +66,32 @@ def test_a_wrong_output_fails_the_check(op):
     wrong = tuple(o.astype("float32") * 1.1 if i == 0 else o for i, o in enumerate(outputs))
     wrong = wrong if isinstance(good, tuple) else wrong[0]
     assert not spec.passes("float32", spec.max_rel_err(target, wrong, reference))
+
+
+def test_a_warm_up_pass_times_every_implementation_first_and_is_discarded():
+    """A target with ``warm_up_pass`` times each implementation once before the recorded pass
+    (in the same order), and the records carry the second pass's numbers."""
+    from rmsnorm_hip._bench import targets
+    cpu = targets.make_target("cpu")
+    log = []
+
+    class Stub:
+        warm_up_pass = True
+
+        def __getattr__(self, name):
+            return getattr(cpu, name)
+
+        def time(self, fn):
+            fn()
+            log.append(fn)
+            return {"us": 100.0 * len(log)}
+
+    spec = ops.OPS["fwd"]
+    calls = []
+    impls = {name: (lambda *a, name=name: calls.append(name) or spec.peers["cpu"]["numpy"]()(*a))
+             for name in ("first", "second")}
+    records = runner._run_case(spec, Stub(), impls, (5, 64, "float32"), 0, False, 1.0)
+    # warm-up: first, second; recorded: check + time for first, then for second
+    assert calls == ["first", "second", "first", "first", "second", "second"]
+    assert [r["impl"] for r in records] == ["first", "second"]
+    assert [r["us"] for r in records] == [300.0, 400.0] and all(r["ok"] for r in records)

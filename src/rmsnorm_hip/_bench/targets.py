@@ -63,6 +63,7 @@ class CudaTarget:
     name = "cuda"
     timer = "cupti"
     device = "cuda"
+    warm_up_pass = True     # see runner._warm_up
 
     def __init__(self, flush_mode="write", iters=20):
         import torch
