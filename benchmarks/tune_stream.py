@@ -16,7 +16,9 @@ Variants (``name``: what _config is patched to):
                   the kernel with the per-element offset add where there is one without
   stream          FWD_STREAM_ROWS_PER_SM all None (streamed at every M)
 The session-6 run also measured programs capped at 2 and 4 per SM and __launch_bounds__
-minimums of 4 and 5 blocks per SM (knobs since removed; benchmarks/NOTES.md).
+minimums of 4 and 5 blocks per SM; session 8 the quantised rows' weight loads inside the live-row
+branch (``stream_live_weigh``) and a 5-block minimum for streamed quantised rows (``stream_mb5``)
+(knobs since removed; benchmarks/NOTES.md).
 """
 import argparse
 import json
@@ -35,9 +37,12 @@ VARIANTS = "oneshot,oneshot_off1,stream"
 
 
 def _patch(config, variant):
+    from rmsnorm_hip import _cache
     limit = None if variant.startswith("stream") else 0
     kinds = dict.fromkeys(config.FWD_STREAM_ROWS_PER_SM["cuda"], limit)
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
+    # a knob the kernel cache key does not carry would need every kernel built afresh
+    _cache._kernels.clear()
 
 
 def main():

@@ -214,7 +214,13 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                     for e in range(chunk):
                         vals[e] = float32(0.0)
             acc += chunk_sumsq(vals, slot)
-            if here:
+            # streamed rows weigh rows past M too (their h is zero and nothing of them is
+            # stored): with no branch on the row, ptxas issues every chunk's weight and xscale
+            # loads together instead of one chunk's at a time (H200 SmoothQuant int8, % of copy:
+            # 4096x4096 65 -> 69, 1024x8192 52 -> 58, 32768x4096 93 -> 91; ptxas 122 -> 103
+            # registers).  One-shot rows keep the branch: without it they went 86 -> 77 at
+            # 32768x4096 (benchmarks/NOTES.md)
+            if (full or col0 < n) and (live or stream):
                 weigh_chunk(weight, xscale, col0, float32(1.0), weight_offset, vals, slot, wvals,
                             svals)
                 for e in range(chunk):
