@@ -37,19 +37,26 @@ def _call(op, x, res, w, xs, offset):
                           weight_offset=offset)
 
 
-def _run(be, op, inputs, stream, monkeypatch):
+def _run(be, op, inputs, stream, monkeypatch, early=False):
     every_m = dict.fromkeys(_config.FWD_STREAM_ROWS_PER_SM["cuda"], None if stream else 0)
     monkeypatch.setattr(_config, "FWD_STREAM_ROWS_PER_SM", {"cuda": every_m, "hip": every_m})
+    monkeypatch.setattr(_config, "FWD_EARLY_WEIGHTS_ROWS_PER_SM", 1 << 40 if early else 0)
     with launched_specs(be) as specs:
         out = _call(op, *inputs)
     assert len(specs) == 1 and specs[0].stream == stream, specs
+    assert specs[0].early_weights == (early and stream and op.startswith("quant")), specs
     return out, specs[0]
+
+
+# quantised rows stream with their weight loads in the live-row branch and, as small batches
+# do (FwdSpec.early_weights), without it
+OP_FORMS = [(op, early) for op in OPS for early in ((False, True) if "quant" in op else (False,))]
 
 
 @pytest.mark.parametrize("flavor,rows_per_program", [("row", 3), ("row", 4),
                                                      ("multirow_warps", 3)])
-@pytest.mark.parametrize("op", OPS)
-def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, flavor,
+@pytest.mark.parametrize("op,early", OP_FORMS, ids=lambda v: str(v))
+def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, early, flavor,
                                                   rows_per_program):  # noqa: F811
     be = sim()
     quant = op.startswith("quant")
@@ -66,7 +73,7 @@ def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, fla
     inputs = (x, res, w, xs, offset)
     x0, res0 = x.copy(), res.copy()
 
-    streamed, spec = _run(be, op, inputs, True, monkeypatch)
+    streamed, spec = _run(be, op, inputs, True, monkeypatch, early)
     one_shot, spec1 = _run(be, op, inputs, False, monkeypatch)
 
     assert spec.vector and spec.layout == spec1.layout and spec.rows == rows, spec
@@ -105,6 +112,15 @@ def test_stream_is_chosen_for_cached_vector_rows_only():
     assert _config.fwd_programs(cached, 10_000, 132, 6) == 132 * 6
     assert _config.fwd_programs(cached, 100, 132, 6) == 100
     assert _config.fwd_programs(looped, 10_000, 132, 6) == 10_000
+    # unbranched weight loads: streamed quantised rows only, up to a number of rows per SM
+    def early(vector=True, quant="int8"):
+        return _config.fwd_spec(4096, BFLOAT16, BFLOAT16, vector, False, quant=quant,
+                                xscale=FLOAT32 if quant else "", stream=True,
+                                early_weights=True).early_weights
+    assert early() and not early(quant="") and not early(vector=False)
+    per_sm = _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM
+    assert _config.fwd_early_weights(per_sm * 132, 132)
+    assert not _config.fwd_early_weights(per_sm * 132 + 1, 132)
     limits = _config.FWD_STREAM_ROWS_PER_SM
     for vendor, kinds in limits.items():
         for kind, limit in kinds.items():

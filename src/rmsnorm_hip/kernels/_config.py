@@ -42,6 +42,14 @@ BLOCK_THREADS = 128
 #     62 -> 67, 1024x8192 47 -> 49; float32 x 16384x4096 77 -> 89, 4096x4096 64 -> 72
 #   quantised with a residual (bf16 fp8) 32768x4096 97 -> 92, 4096x4096 83 -> 81
 # AMD: not measured, so not streamed.
+# streamed quantised rows at up to this many rows per SM issue each row's weight and xscale loads
+# together (no branch on the row around them, rows past M weighed too); above it the loads stay
+# in the live-row branch, a chunk's at a time.  Same operations: the same bits.  H200, bf16
+# SmoothQuant int8, % of copy, in the branch / together (results/tune_h200_20261130_s8/
+# tune_stream_hoist.json; ptxas 122 / 103 registers, 4 blocks of 128 threads per SM either way):
+#   32768x4096 92.9 / 91.1 (248 rows per SM), 16384x8192 88.8 / 88.9 (124),
+#   4096x4096 65.2 / 68.9 (31), 1024x8192 51.7 / 57.9 (8)
+FWD_EARLY_WEIGHTS_ROWS_PER_SM = 64
 FWD_STREAM_ROWS_PER_SM = {
     "cuda": {"plain": 16, "residual": 0, "quant": None, "quant_residual": 0},
     "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
@@ -118,6 +126,7 @@ class FwdSpec:
     exact: bool = False     # cached row, every chunk of every thread in it: no column checks
     offset: bool = True     # weight_offset added to the weight (False: the call's offset is 0)
     stream: bool = False    # persistent grid, the next row's words loaded during this row
+    early_weights: bool = False     # streamed quantised rows: weight / xscale loads unbranched
 
     @property
     def fused(self):
@@ -138,23 +147,30 @@ def fwd_stream(vendor, residual, quant, m, sm_count):
     return limit is None or m <= limit * sm_count
 
 
+def fwd_early_weights(m, sm_count):
+    """Whether a streamed quantised forward of ``m`` rows issues its weight loads unbranched."""
+    return m <= FWD_EARLY_WEIGHTS_ROWS_PER_SM * sm_count
+
+
 def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale="",
-             offset=True, stream=False, vendor="cuda"):
+             offset=True, stream=False, early_weights=False, vendor="cuda"):
     """The forward kernel a call runs (the dispatcher's only decision for the forward) on a
     ``vendor`` ("cuda" or "hip") GPU.  ``offset=False`` (weight_offset == 0) is a variant of the
     quantised rows only: their issue slots are the bound, and it saves one FADD per element
     (the same switch measured nothing on rms_norm and the fused add: tune_stream.json).
-    ``stream`` (fwd_stream) applies to cached vector rows."""
+    ``stream`` (fwd_stream) applies to cached vector rows, ``early_weights``
+    (fwd_early_weights) to streamed quantised ones."""
     layout = quant_row_layout(n, dtype, vendor) if quant else row_layout(n, dtype)
     # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
     # exactly threads x chunks; on AMD the branch-free row took the fp32 N = 4096 quantised
     # kernel from 48 to 69 VGPRs (gfx942), over the 64-VGPR gate
     exact = (vendor == "cuda" and bool(quant) and layout.cached and n % layout.chunk == 0
              and layout.n_chunks == layout.threads * layout.chunks_per_thread)
+    stream = stream and vector and layout.cached
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
                    xscale=xscale, exact=exact, offset=offset or not (quant and weight),
-                   stream=stream and vector and layout.cached)
+                   stream=stream, early_weights=early_weights and stream and bool(quant))
 
 
 def fwd_programs(spec, m, sm_count, resident_per_sm):

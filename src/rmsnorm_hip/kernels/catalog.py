@@ -37,6 +37,7 @@ class Variant:
                           + (f":xs={s.xscale}" if s.xscale else "")
                           + ("" if s.offset else ":offset=0"))
             flags += ":stream" if s.stream else ""
+            flags += ":early" if getattr(s, "early_weights", False) else ""
         return f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}:{flags}"
 
     @property
@@ -85,11 +86,12 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N, vendor="cuda"):
         for n in ns:
             layout = _config.row_layout(n, dtype)
             for vector in ([True, False] if n % layout.chunk == 0 else [False]):
-                def spec(weight, store_rstd, residual, quant="", xscale="", offset=True):
+                def spec(weight, store_rstd, residual, quant="", xscale="", offset=True,
+                         early=False):
                     # streamed where that kind streams at some M (fwd_spec: if it can)
                     stream = _streams(vendor, residual, quant)[-1]
                     return _config.fwd_spec(n, dtype, weight, vector, store_rstd, residual,
-                                            quant, xscale, offset, stream, vendor)
+                                            quant, xscale, offset, stream, early, vendor)
                 if vector or n % layout.chunk:      # the vector form, or a ragged N's only form
                     specs = [("fused_add", spec(dtype, True, True)),
                              ("quant", spec(dtype, False, False, _dtypes.INT8, wide)),
@@ -99,6 +101,10 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N, vendor="cuda"):
                     specs = [("fused_add", spec("", False, True)),
                              ("quant", spec("", False, True, _dtypes.INT8)),
                              ("quant", spec(dtype, False, False, _dtypes.FLOAT8_E4M3FN, wide))]
+                # a streamed quantised row of a small batch (its weight loads unbranched) too
+                specs += [(op, early) for op, s in specs if s.stream and s.quant
+                          for early in [spec(s.weight, s.store_rstd, s.residual, s.quant,
+                                             s.xscale, s.offset, True)]]
                 for op, s in specs:
                     yield Variant(op, rmsnorm_fwd.make_rmsnorm_fwd, s, rmsnorm_fwd.argtypes(s))
 

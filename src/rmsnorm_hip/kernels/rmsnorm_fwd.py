@@ -87,7 +87,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     n_f32 = float32(n)
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
     n_red = 2 if quant else 1                   # sum and max: one shared buffer each
-    stream = spec.stream
+    stream, early_weights = spec.stream, spec.early_weights
     red_bufs = 2 * n_red if stream else n_red   # streamed rows alternate between two halves
     words = per_thread * 4 if stream else 1     # 32-bit words of a row's chunks per thread
     residual_words = words if has_residual else 1
@@ -214,13 +214,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                     for e in range(chunk):
                         vals[e] = float32(0.0)
             acc += chunk_sumsq(vals, slot)
-            # streamed rows weigh rows past M too (their h is zero and nothing of them is
-            # stored): with no branch on the row, ptxas issues every chunk's weight and xscale
-            # loads together instead of one chunk's at a time (H200 SmoothQuant int8, % of copy:
-            # 4096x4096 65 -> 69, 1024x8192 52 -> 58, 32768x4096 93 -> 91; ptxas 122 -> 103
-            # registers).  One-shot rows keep the branch: without it they went 86 -> 77 at
-            # 32768x4096 (benchmarks/NOTES.md)
-            if (full or col0 < n) and (live or stream):
+            # early_weights (streamed rows of a small batch, _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM):
+            # rows past M are weighed too (their h is zero and nothing of them is stored), so
+            # with no branch on the row ptxas issues every chunk's weight and xscale loads
+            # together instead of one chunk's at a time.  One-shot rows keep the branch: without
+            # it they went 86 -> 77% of copy at 32768x4096 (benchmarks/NOTES.md)
+            if (full or col0 < n) and (live or early_weights):
                 weigh_chunk(weight, xscale, col0, float32(1.0), weight_offset, vals, slot, wvals,
                             svals)
                 for e in range(chunk):
