@@ -2,7 +2,7 @@
 sessions 7-8): times fused_add_rms_norm at 4096x4096 (CUPTI, write flush, as the benchmark) six
 times in a row on the same inputs right after a 32768x4096 case, then again after a 32768x4096
 case and a 3 s pause, with the SM / memory clocks, power and temperature nvidia-smi reports
-before each timing.  One JSON line per timing, all of them in OUT.json.
+after each timing (the session-8 run, order2.json, read them before each: ``smi``).  One JSON line per timing, all of them in OUT.json.
 
     PYTHONPATH=src python3 benchmarks/order_probe.py OUT.json
 """
@@ -43,8 +43,11 @@ def main():
         call = lambda: rmsnorm_hip.fused_add_rms_norm(*args, 1e-6)  # noqa: E731
         call()
         for i in range(times):
-            row = dict(label=label, m=m, n=n, i=i, t_s=round(time.perf_counter() - start, 3),
-                       smi=_smi(), us=timing.cuda_device_time(call, flush)["us"])
+            t_s = round(time.perf_counter() - start, 3)
+            us = timing.cuda_device_time(call, flush)["us"]
+            # nvidia-smi after the timing: before it, its ~0.1 s would sit in the very window
+            # after the large case that this probe looks at
+            row = dict(label=label, m=m, n=n, i=i, t_s=t_s, us=us, smi_after=_smi())
             out.append(row)
             print(json.dumps(row), flush=True)
 

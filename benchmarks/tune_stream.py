@@ -14,11 +14,14 @@ Variants (``name``: what _config is patched to):
   oneshot         FWD_STREAM_ROWS_PER_SM all 0 (one block per row block)
   oneshot_off1    the same with weight_offset = 1 (weight - 1: the same effective weight), i.e.
                   the kernel with the per-element offset add where there is one without
-  stream          FWD_STREAM_ROWS_PER_SM all None (streamed at every M)
+  stream          FWD_STREAM_ROWS_PER_SM all None (streamed at every M; quantised rows' weight
+                  loads unbranched as _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM says for the M)
+  stream_early    the same with the weight loads unbranched at every M
+  stream_late     the same with them in the live-row branch at every M
 The session-6 run also measured programs capped at 2 and 4 per SM and __launch_bounds__
-minimums of 4 and 5 blocks per SM; session 8 the quantised rows' weight loads inside the live-row
-branch (``stream_live_weigh``) and a 5-block minimum for streamed quantised rows (``stream_mb5``)
-(knobs since removed; benchmarks/NOTES.md).
+minimums of 4 and 5 blocks per SM, session 8 a 5-block minimum for streamed quantised rows
+(knobs since removed; benchmarks/NOTES.md).  Session 8's ``stream_live_weigh`` / ``stream`` are
+today's ``stream_late`` / ``stream_early``.
 """
 import argparse
 import json
@@ -34,15 +37,15 @@ SHAPES = {
     "quant_f32": [(16384, 4096), (4096, 4096)],
 }
 VARIANTS = "oneshot,oneshot_off1,stream"
+_EARLY_DEFAULT = None   # _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM as imported (set in main)
 
 
 def _patch(config, variant):
-    from rmsnorm_hip import _cache
     limit = None if variant.startswith("stream") else 0
     kinds = dict.fromkeys(config.FWD_STREAM_ROWS_PER_SM["cuda"], limit)
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
-    # a knob the kernel cache key does not carry would need every kernel built afresh
-    _cache._kernels.clear()
+    early = {"stream_early": 1 << 40, "stream_late": 0}
+    config.FWD_EARLY_WEIGHTS_ROWS_PER_SM = early.get(variant, _EARLY_DEFAULT)
 
 
 def main():
@@ -61,6 +64,8 @@ def main():
     from rmsnorm_hip._bench import timing
     from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
     from rmsnorm_hip.kernels import _config
+    global _EARLY_DEFAULT
+    _EARLY_DEFAULT = _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM
 
     def fresh():
         for backend in backends._backends.values():

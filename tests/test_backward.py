@@ -266,8 +266,9 @@ def _reduce_in_order(ws, groups):
 @pytest.mark.parametrize("wdtype", [FLOAT32, BFLOAT16])
 @pytest.mark.parametrize("ws_rows", [1, 2, 5, 11, 14])
 def test_sim_dweight_reduce_keeps_its_order(rng, use_backend, wdtype, ws_rows):
-    """The reduction's batched loads (full batches and a masked last one) add in the documented
-    order: its bits equal a one-at-a-time float32 sum, every column of dweight written."""
+    """The reduction's batched loads (full batches, then the rows left one at a time) add in the
+    documented order: its bits equal a one-at-a-time float32 sum, every column of dweight
+    written."""
     import ml_dtypes
 
     from rmsnorm_hip import _dtypes

@@ -68,12 +68,15 @@ def test_a_wrong_output_fails_the_check(op):
     assert not spec.passes("float32", spec.max_rel_err(target, wrong, reference))
 
 
-def test_a_warm_up_pass_times_every_implementation_first_and_is_discarded():
-    """A target with ``warm_up_pass`` times each implementation once before the recorded pass
-    (in the same order), and the records carry the second pass's numbers."""
+def test_a_warm_up_pass_times_every_checked_implementation_first_and_is_discarded():
+    """A target with ``warm_up_pass`` checks every implementation, times each that passed once
+    (in order) and discards it, then records a second timing; one that fails its check is never
+    timed, one that breaks when timed is recorded as failed; host cases take no warm-up."""
     from rmsnorm_hip._bench import targets
     cpu = targets.make_target("cpu")
-    log = []
+    spec = ops.OPS["fwd"]
+    numpy_fwd = spec.peers["cpu"]["numpy"]()
+    calls, timings = [], []
 
     class Stub:
         warm_up_pass = True
@@ -83,15 +86,33 @@ def test_a_warm_up_pass_times_every_implementation_first_and_is_discarded():
 
         def time(self, fn):
             fn()
-            log.append(fn)
-            return {"us": 100.0 * len(log)}
+            timings.append(calls[-1])
+            return {"us": 100.0 * len(timings)}
 
-    spec = ops.OPS["fwd"]
-    calls = []
-    impls = {name: (lambda *a, name=name: calls.append(name) or spec.peers["cpu"]["numpy"]()(*a))
-             for name in ("first", "second")}
+        host_time = time
+
+    def impl(name, wrong=False, breaks_when_timed=False):
+        def run(*args):
+            calls.append(name)
+            if breaks_when_timed and calls.count(name) > 1:
+                raise RuntimeError("broke")
+            out = numpy_fwd(*args)
+            return out * 2 if wrong else out
+        return run
+
+    impls = {"a": impl("a"), "wrong": impl("wrong", wrong=True), "b": impl("b"),
+             "flaky": impl("flaky", breaks_when_timed=True)}
     records = runner._run_case(spec, Stub(), impls, (5, 64, "float32"), 0, False, 1.0)
-    # warm-up: first, second; recorded: check + time for first, then for second
-    assert calls == ["first", "second", "first", "first", "second", "second"]
-    assert [r["impl"] for r in records] == ["first", "second"]
-    assert [r["us"] for r in records] == [300.0, 400.0] and all(r["ok"] for r in records)
+    # checks a, wrong, b, flaky; warm-up a, b (flaky breaks); recorded a, b (flaky breaks)
+    assert calls == ["a", "wrong", "b", "flaky", "a", "b", "flaky", "a", "b", "flaky"]
+    assert timings == ["a", "b", "a", "b"]
+    by_impl = {r["impl"]: r for r in records}
+    assert list(by_impl) == ["a", "wrong", "b", "flaky"]
+    assert (by_impl["a"]["us"], by_impl["b"]["us"]) == (300.0, 400.0)
+    assert by_impl["a"]["ok"] and by_impl["b"]["ok"]
+    assert by_impl["wrong"]["status"] == "failed" and "check failed" in by_impl["wrong"]["error"]
+    assert by_impl["flaky"]["status"] == "failed" and "broke" in by_impl["flaky"]["error"]
+
+    calls.clear(), timings.clear()
+    records = runner._run_case(spec, Stub(), {"a": impl("a")}, (5, 64, "float32"), 0, True, 1.0)
+    assert calls == ["a", "a"] and timings == ["a"] and records[0]["ok"]

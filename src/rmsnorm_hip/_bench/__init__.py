@@ -34,6 +34,9 @@ Method (benchmarks/NOTES.md has the reasons):
 - Before timing, each implementation's output is compared with a float64 reference on the same
   random inputs: ||out - ref|| / ||ref|| under 1e-2 (16-bit) or 1e-5 (float32); NaN fails. A
   failing or missing implementation is recorded with its error and skipped.
+- CUDA: the implementations that passed are each timed once and that timing discarded before
+  the recorded pass (``method.warm_up_pass``; device timings only, not the host cases): the first
+  one timed after a large case could run slow for about a second.
 - GB/s = the op's minimal bytes (fwd: 2*M*N*e + N*e) / time; % of a device-to-device copy of
   2 GiB (bytes read + written) measured in the same run.
 - Host overhead at M=1 and M=32, N=4096 bf16: wall-clock per call of 1000 back-to-back calls and

@@ -1,9 +1,9 @@
 """Runs one op over a list of cases for every implementation, side by side in one process.
 
-For each case (M, N, dtype): draw random inputs, compute the float64 reference, then for each
-implementation check the error against the op's tolerance and, if it passes, time it. A missing
-or failing implementation gets a record with its error; the run goes on. Then the host overhead
-at small M. See the package docstring (rmsnorm_hip._bench) for the API and the output.
+For each case (M, N, dtype): draw random inputs, compute the float64 reference, check every
+implementation's error against the op's tolerance, then time those that passed (on CUDA after a
+discarded warm-up timing of each). A missing or failing implementation gets a record with its
+error; the run goes on. Then the host overhead at small M. See the package docstring (rmsnorm_hip._bench) for the API and the output.
 """
 import argparse
 import json
@@ -97,7 +97,7 @@ def _run_op(target, op, shapes, dtypes, json_path, plot_path, compare, progress,
             "timer": target.timer,
             "iters": iters if target.name == "cuda" else None,
             "l2_flush": f"{flush}, 256 MB" if target.name == "cuda" else None,
-            "warm_up_pass": bool(getattr(target, "warm_up_pass", False)),
+            "warm_up_pass": target.warm_up_pass,   # device timings; not the host cases
             "tolerance": dict(spec.tolerance),
             "seed": seed,
         },
@@ -134,24 +134,30 @@ def _run_op(target, op, shapes, dtypes, json_path, plot_path, compare, progress,
 
 
 def _run_case(spec, target, impls, case, seed, is_host_case, copy_gbps):
-    """One record per implementation for one (M, N, dtype), all on the same inputs."""
+    """One record per implementation for one (M, N, dtype), all on the same inputs: every
+    implementation is checked first, then those that passed are timed (after a warm-up pass on
+    targets that take one, ``_warm_up``)."""
     M, N, dtype = case
     args = spec.make_inputs(target, M, N, dtype, seed)
     reference = spec.reference(target, *args)
     nbytes = spec.bytes_moved(M, N, target.itemsize(dtype))
-    if getattr(target, "warm_up_pass", False) and not is_host_case:
-        _warm_up(target, impls, args)
-    records = []
+    records = {}
     for name, impl in impls.items():
         record = {"op": spec.name, "M": M, "N": N, "dtype": dtype, "impl": name, "bytes": nbytes}
-        record.update(_measure(spec, target, impl, args, reference, dtype, is_host_case))
+        record.update(_check(spec, target, impl, args, reference, dtype))
+        records[name] = record
+    passed = {name: impls[name] for name, record in records.items() if record["ok"]}
+    if target.warm_up_pass and not is_host_case:
+        _warm_up(target, passed, args)
+    for name, impl in passed.items():
+        record = records[name]
+        record.update(_time(target, impl, args, is_host_case))
         if record["ok"] and not is_host_case:
             record["gbps"] = nbytes / record["us"] / 1e3  # bytes per us -> GB/s
             record["pct_copy"] = 100 * record["gbps"] / copy_gbps
-        records.append(record)
     del args, reference
     target.free_memory()
-    return records
+    return list(records.values())
 
 
 def _warm_up(target, impls, args):
@@ -159,13 +165,12 @@ def _warm_up(target, impls, args):
     H200 the first implementation timed after a large case ran slow for about a second (the
     fused add at 4096x4096: 38.6 us right after 32768x4096, 34.4-35.9 us in the next five
     timings of the same call; benchmarks/NOTES.md), so without this pass the order of the
-    implementations, not the implementations, decided part of the table."""
+    implementations, not the implementations, decided part of the table.  An implementation
+    that fails here fails again in its recorded timing, which records the error."""
     for impl in impls.values():
-        if isinstance(impl, Exception):
-            continue
         try:
             target.time(lambda: impl(*args))  # noqa: B023 (called before the loop moves on)
-        except Exception:  # noqa: S112 (_measure records the failure)
+        except Exception:  # noqa: S112
             continue
 
 
@@ -228,22 +233,30 @@ def _chosen_peers(available, compare):
     return {name: factory for name, factory in available.items() if name in chosen}
 
 
-def _measure(spec, target, impl, args, reference, dtype, is_host_case):
-    """Checks impl against the reference, then times it: the record's status fields and timings."""
+def _check(spec, target, impl, args, reference, dtype):
+    """impl's output against the reference: the record's status fields (ok: may be timed)."""
     if isinstance(impl, Exception):
         return _status("unavailable", _describe(impl))
-    measured = {}
     try:
         rel_err = spec.max_rel_err(target, impl(*args), reference)
-        measured["rel_err"] = rel_err if math.isfinite(rel_err) else None
-        if not spec.passes(dtype, rel_err):
-            error = f"check failed: rel err {rel_err:.3g}, tolerance {spec.tolerance[dtype]:g}"
-            return {**_status("failed", error), **measured}
+    except Exception as error:  # a peer that breaks on one case must not stop the run
+        return _status("failed", _describe(error))
+    measured = {"rel_err": rel_err if math.isfinite(rel_err) else None}
+    if not spec.passes(dtype, rel_err):
+        error = f"check failed: rel err {rel_err:.3g}, tolerance {spec.tolerance[dtype]:g}"
+        return {**_status("failed", error), **measured}
+    return {**_status("ok"), **measured}
+
+
+def _time(target, impl, args, is_host_case):
+    """Times a checked impl: its timings, and the status fields again if timing failed."""
+    measured = {}
+    try:
         call = lambda: impl(*args)  # noqa: E731
         measured.update(target.host_time(call) if is_host_case else target.time(call))
         if not measured.get("us", 1.0) > 0:  # host records on the CPU have no device time
             return {**_status("failed", "no GPU activity recorded"), **measured}
-        return {**_status("ok"), **measured}
+        return measured
     except Exception as error:  # a peer that breaks on one case must not stop the run
         return {**_status("failed", _describe(error)), **measured}
 

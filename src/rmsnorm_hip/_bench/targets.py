@@ -63,7 +63,7 @@ class CudaTarget:
     name = "cuda"
     timer = "cupti"
     device = "cuda"
-    warm_up_pass = True     # see runner._warm_up
+    warm_up_pass = True     # device timings of a case after a discarded one (runner._warm_up)
 
     def __init__(self, flush_mode="write", iters=20):
         import torch
@@ -156,6 +156,7 @@ class CpuTarget:
 
     name = "cpu"
     timer = "wall"
+    warm_up_pass = False    # wall-clock medians over ~1 s: nothing a first timing pays for
 
     def __init__(self):
         import numpy

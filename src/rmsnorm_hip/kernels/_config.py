@@ -42,6 +42,10 @@ BLOCK_THREADS = 128
 #     62 -> 67, 1024x8192 47 -> 49; float32 x 16384x4096 77 -> 89, 4096x4096 64 -> 72
 #   quantised with a residual (bf16 fp8) 32768x4096 97 -> 92, 4096x4096 83 -> 81
 # AMD: not measured, so not streamed.
+FWD_STREAM_ROWS_PER_SM = {
+    "cuda": {"plain": 16, "residual": 0, "quant": None, "quant_residual": 0},
+    "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
+}
 # streamed quantised rows at up to this many rows per SM issue each row's weight and xscale loads
 # together (no branch on the row around them, rows past M weighed too); above it the loads stay
 # in the live-row branch, a chunk's at a time.  Same operations: the same bits.  H200, bf16
@@ -50,10 +54,6 @@ BLOCK_THREADS = 128
 #   32768x4096 92.9 / 91.1 (248 rows per SM), 16384x8192 88.8 / 88.9 (124),
 #   4096x4096 65.2 / 68.9 (31), 1024x8192 51.7 / 57.9 (8)
 FWD_EARLY_WEIGHTS_ROWS_PER_SM = 64
-FWD_STREAM_ROWS_PER_SM = {
-    "cuda": {"plain": 16, "residual": 0, "quant": None, "quant_residual": 0},
-    "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
-}
 
 
 def ceil_div(a, b):

@@ -37,7 +37,7 @@ class Variant:
                           + (f":xs={s.xscale}" if s.xscale else "")
                           + ("" if s.offset else ":offset=0"))
             flags += ":stream" if s.stream else ""
-            flags += ":early" if getattr(s, "early_weights", False) else ""
+            flags += ":early" if s.early_weights else ""
         return f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}:{flags}"
 
     @property
@@ -80,7 +80,8 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N, vendor="cuda"):
     """Per dtype, path and access form: one fused add and two of the four quantised kinds (int8 /
     fp8 x with / without residual), alternating between the vector and scalar forms of a path,
     with weight, rstd and xscale dtypes rotating over them: every switch appears on every path
-    and dtype without their full product (each variant costs ~1 s of CPU per compiler)."""
+    and dtype without their full product (each variant costs ~1 s of CPU per compiler); each
+    streamed quantised one also in its small-batch form (FwdSpec.early_weights)."""
     wide = _dtypes.FLOAT32
     for dtype in _dtypes.ACTIVATION_DTYPES:
         for n in ns:
@@ -102,11 +103,12 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N, vendor="cuda"):
                              ("quant", spec("", False, True, _dtypes.INT8)),
                              ("quant", spec(dtype, False, False, _dtypes.FLOAT8_E4M3FN, wide))]
                 # a streamed quantised row of a small batch (its weight loads unbranched) too
-                specs += [(op, early) for op, s in specs if s.stream and s.quant
-                          for early in [spec(s.weight, s.store_rstd, s.residual, s.quant,
-                                             s.xscale, s.offset, True)]]
+                specs += [(op, spec(s.weight, s.store_rstd, s.residual, s.quant, s.xscale,
+                                    s.offset, early=True))
+                          for op, s in specs if s.stream and s.quant]
                 for op, s in specs:
                     yield Variant(op, rmsnorm_fwd.make_rmsnorm_fwd, s, rmsnorm_fwd.argtypes(s))
+
 
 def _weights(dtype):
     return ["", dtype] + ([_dtypes.FLOAT32] if dtype != _dtypes.FLOAT32 else [])
