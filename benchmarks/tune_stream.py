@@ -37,15 +37,15 @@ SHAPES = {
     "quant_f32": [(16384, 4096), (4096, 4096)],
 }
 VARIANTS = "oneshot,oneshot_off1,stream"
-_EARLY_DEFAULT = None   # _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM as imported (set in main)
 
 
-def _patch(config, variant):
+def _patch(config, variant, early_default):
+    """Patches _config for ``variant``; early_default: FWD_EARLY_WEIGHTS_ROWS_PER_SM as shipped."""
     limit = None if variant.startswith("stream") else 0
     kinds = dict.fromkeys(config.FWD_STREAM_ROWS_PER_SM["cuda"], limit)
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
     early = {"stream_early": 1 << 40, "stream_late": 0}
-    config.FWD_EARLY_WEIGHTS_ROWS_PER_SM = early.get(variant, _EARLY_DEFAULT)
+    config.FWD_EARLY_WEIGHTS_ROWS_PER_SM = early.get(variant, early_default)
 
 
 def main():
@@ -64,8 +64,7 @@ def main():
     from rmsnorm_hip._bench import timing
     from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
     from rmsnorm_hip.kernels import _config
-    global _EARLY_DEFAULT
-    _EARLY_DEFAULT = _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM
+    early_default = _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM
 
     def fresh():
         for backend in backends._backends.values():
@@ -121,7 +120,7 @@ def main():
 
         reference = None
         for variant in args.variants.split(","):
-            _patch(_config, variant)
+            _patch(_config, variant, early_default)
             fresh()
             weight, offset = (w1, 1.0) if variant.endswith("_off1") else (w, 0.0)
             fn = lambda: call(weight, offset)  # noqa: E731

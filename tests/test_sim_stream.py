@@ -5,6 +5,8 @@ backend holds two programs, so these M give each program several rows: both word
 halves of the reduction buffer, an odd and an even number of rows per program, and rows past M
 in a block of rows.  Every output must be the one-shot kernel's bits (not streamed: one block
 per row block) and close to the float64 reference; in place, the arrays are the outputs."""
+import dataclasses
+
 import numpy as np
 import pytest
 from _paths import layout_of, pick_n
@@ -119,6 +121,8 @@ def test_stream_is_chosen_for_cached_vector_rows_only():
                                 xscale=FLOAT32 if quant else "", stream=True,
                                 early_weights=True).early_weights
     assert early() and not early(quant="") and not early(vector=False)
+    with pytest.raises(ValueError, match="early_weights needs a streamed quantised spec"):
+        dataclasses.replace(looped, early_weights=True)
     per_sm = _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM
     assert _config.fwd_early_weights(per_sm * 132, 132)
     assert not _config.fwd_early_weights(per_sm * 132 + 1, 132)

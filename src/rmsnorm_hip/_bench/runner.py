@@ -3,7 +3,8 @@
 For each case (M, N, dtype): draw random inputs, compute the float64 reference, check every
 implementation's error against the op's tolerance, then time those that passed (on CUDA after a
 discarded warm-up timing of each). A missing or failing implementation gets a record with its
-error; the run goes on. Then the host overhead at small M. See the package docstring (rmsnorm_hip._bench) for the API and the output.
+error; the run goes on. Then the host overhead at small M. See the package docstring
+(rmsnorm_hip._bench) for the API and the output.
 """
 import argparse
 import json
@@ -170,8 +171,8 @@ def _warm_up(target, impls, args):
     for impl in impls.values():
         try:
             target.time(lambda: impl(*args))  # noqa: B023 (called before the loop moves on)
-        except Exception:  # noqa: S112
-            continue
+        except Exception:  # noqa: S110
+            pass
 
 
 def _cases(target_name, op, shapes, dtypes):

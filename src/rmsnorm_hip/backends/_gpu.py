@@ -59,7 +59,7 @@ class GpuBackend:
                                               (x_stride, y_stride) + tuple(more_strides))
         residual, quant = fused[0], fused[1]
         stream = _config.fwd_stream(self.vendor, residual, quant, m, self.sm_count)
-        early = bool(quant) and stream and _config.fwd_early_weights(m, self.sm_count)
+        early = _config.fwd_early_weights(m, self.sm_count)   # fwd_spec keeps it where it applies
         scalar = (n, dtype, weight_dtype, False, store_rstd) + tuple(fused) + (False, False)
         vector = (n, dtype, weight_dtype, True, store_rstd) + tuple(fused) + (stream, early)
         return (vector if strides_ok else None), scalar

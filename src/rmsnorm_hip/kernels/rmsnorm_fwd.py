@@ -88,7 +88,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
     n_red = 2 if quant else 1                   # sum and max: one shared buffer each
     stream = spec.stream
-    early_weights = stream and bool(quant) and spec.early_weights   # one-shot rows: never
+    early_weights = spec.early_weights          # streamed quantised rows only (FwdSpec)
     red_bufs = 2 * n_red if stream else n_red   # streamed rows alternate between two halves
     words = per_thread * 4 if stream else 1     # 32-bit words of a row's chunks per thread
     residual_words = words if has_residual else 1
