@@ -1,7 +1,8 @@
 """Backward tuning sweep on a GPU: device time per call of rms_norm_backward (CUPTI, 256 MB write
-flush before each call, as the benchmark measures it) under candidate settings of
-kernels/_config.py, patched here.  Prints one JSON line per (shape, setting) and writes them to
---out (default $OUT or .)/tune_bwd.json.
+flush before each call, a discarded warm-up timing first, as the benchmark measures it) under
+candidate settings of kernels/_config.py, patched here; a setting may be repeated with a digit
+suffix (``prefetch,no_prefetch,prefetch2``) to see the run-to-run spread.  Prints one JSON line
+per (shape, setting) and writes them to --out (default $OUT or .)/tune_bwd.json.
 
     PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings prefetch,no_prefetch] [--dres]
         [--shapes 4096x4096,...] [--flush write|read] [--tag _suffix]
@@ -75,7 +76,8 @@ def main():
         rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
         nbytes = (4 if args.dres else 3) * m * n * size + 2 * n * size
         reference = None
-        for name in args.settings.split(","):
+        for label in args.settings.split(","):
+            name = label.rstrip("0123456789")     # a repeated setting: plain_reduce2
             for attr, value in SETTINGS[name].items():
                 setattr(_config, attr, value)
             for backend in backends._backends.values():
@@ -87,8 +89,9 @@ def main():
                 reference = out
             same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                        for a, b in zip(out, reference))
+            timing.cuda_device_time(call, flush)     # discarded, as the benchmark's warm-up
             timing_ = timing.cuda_device_time(call, flush)
-            row = dict(m=m, n=n, setting=name, us=timing_["us"], kernels=timing_.get("kernels"),
+            row = dict(m=m, n=n, setting=label, us=timing_["us"], kernels=timing_.get("kernels"),
                        GBps=nbytes / timing_["us"] / 1e3, same_bits_as_first=bool(same))
             row["pct_copy"] = 100 * row["GBps"] / copy
             rows.append(row)
