@@ -14,14 +14,16 @@ Variants (``name``: what _config is patched to):
   oneshot         FWD_STREAM_ROWS_PER_SM all 0 (one block per row block)
   oneshot_off1    the same with weight_offset = 1 (weight - 1: the same effective weight), i.e.
                   the kernel with the per-element offset add where there is one without
-  stream          FWD_STREAM_ROWS_PER_SM all None (streamed at every M; quantised rows' weight
-                  loads unbranched as _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM says for the M)
-  stream_early    the same with the weight loads unbranched at every M
-  stream_late     the same with them in the live-row branch at every M
-The session-6 run also measured programs capped at 2 and 4 per SM and __launch_bounds__
-minimums of 4 and 5 blocks per SM, session 8 a 5-block minimum for streamed quantised rows
-(knobs since removed; benchmarks/NOTES.md).  Session 8's ``stream_live_weigh`` / ``stream`` are
-today's ``stream_late`` / ``stream_early``.
+  stream          FWD_STREAM_ROWS_PER_SM all None (streamed at every M; quantised rows hold
+                  their gains, FWD_STREAM_HELD_WEIGHTS)
+  stream_loaded   the same with the gains off: streamed quantised rows load their weight and
+                  xscale in each live row
+A trailing digit repeats a variant (``stream2``).  The session-6 run also measured programs
+capped at 2 and 4 per SM and __launch_bounds__ minimums of 4 and 5 blocks per SM, session 8 a
+5-block minimum for streamed quantised rows and the weight loads of a small batch's rows issued
+unbranched (``stream_early``; in the session-9 run, before that knob was removed,
+``stream_loaded`` had them up to 64 rows per SM and ``stream_loaded_late`` never); knobs since
+removed, benchmarks/NOTES.md.
 """
 import argparse
 import json
@@ -39,13 +41,12 @@ SHAPES = {
 VARIANTS = "oneshot,oneshot_off1,stream"
 
 
-def _patch(config, variant, early_default):
-    """Patches _config for ``variant``; early_default: FWD_EARLY_WEIGHTS_ROWS_PER_SM as shipped."""
+def _patch(config, variant):
+    """Patches _config for ``variant`` (a trailing digit repeats a variant: ``stream2``)."""
     limit = None if variant.startswith("stream") else 0
     kinds = dict.fromkeys(config.FWD_STREAM_ROWS_PER_SM["cuda"], limit)
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
-    early = {"stream_early": 1 << 40, "stream_late": 0}
-    config.FWD_EARLY_WEIGHTS_ROWS_PER_SM = early.get(variant, early_default)
+    config.FWD_STREAM_HELD_WEIGHTS = "_loaded" not in variant
 
 
 def main():
@@ -64,7 +65,6 @@ def main():
     from rmsnorm_hip._bench import timing
     from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
     from rmsnorm_hip.kernels import _config
-    early_default = _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM
 
     def fresh():
         for backend in backends._backends.values():
@@ -120,7 +120,7 @@ def main():
 
         reference = None
         for variant in args.variants.split(","):
-            _patch(_config, variant, early_default)
+            _patch(_config, variant)
             fresh()
             weight, offset = (w1, 1.0) if variant.endswith("_off1") else (w, 0.0)
             fn = lambda: call(weight, offset)  # noqa: E731

@@ -20,7 +20,8 @@ from rmsnorm_hip.reference import fused_add_rms_norm_ref, rms_norm_quant_ref, rm
 
 pytestmark = pytest.mark.sim
 
-OPS = ("rms_norm", "fused_add", "fused_add_", "quant_int8", "quant_fp8_residual")
+OPS = ("rms_norm", "fused_add", "fused_add_", "quant_int8", "quant_int8_xscale_only",
+       "quant_fp8_residual")
 
 
 def _call(op, x, res, w, xs, offset):
@@ -35,31 +36,33 @@ def _call(op, x, res, w, xs, offset):
         return x, res
     if op == "quant_int8":
         return rms_norm_quant(x, w, 1e-6, xscale=xs, weight_offset=offset)
+    if op == "quant_int8_xscale_only":     # no weight: the gains are xscale's
+        return rms_norm_quant(x, None, 1e-6, xscale=xs)
     return rms_norm_quant(x, w, 1e-6, xscale=xs, residual=res, quant_dtype="float8_e4m3fn",
                           weight_offset=offset)
 
 
-def _run(be, op, inputs, stream, monkeypatch, early=False):
+def _run(be, op, inputs, stream, monkeypatch, held=True):
     every_m = dict.fromkeys(_config.FWD_STREAM_ROWS_PER_SM["cuda"], None if stream else 0)
     monkeypatch.setattr(_config, "FWD_STREAM_ROWS_PER_SM", {"cuda": every_m, "hip": every_m})
-    monkeypatch.setattr(_config, "FWD_EARLY_WEIGHTS_ROWS_PER_SM", 1 << 40 if early else 0)
+    monkeypatch.setattr(_config, "FWD_STREAM_HELD_WEIGHTS", held)
     with launched_specs(be) as specs:
         out = _call(op, *inputs)
     assert len(specs) == 1 and specs[0].stream == stream, specs
-    assert specs[0].early_weights == (early and stream and op.startswith("quant")), specs
+    assert specs[0].held_weights == (held and stream and op.startswith("quant")), specs
     return out, specs[0]
 
 
 FLAVORS = [("row", 3), ("row", 4), ("multirow_warps", 3)]
-# quantised rows stream with their weight loads in the live-row branch and, as small batches
-# do (FwdSpec.early_weights), without it: that form differs only on rows past M, which a
-# multi-row block's last row block has
-CASES = ([(op, False, flavor, rows) for op in OPS for flavor, rows in FLAVORS]
-         + [(op, True, "multirow_warps", 3) for op in OPS if op.startswith("quant")])
+# quantised rows stream holding their gains (FwdSpec.held_weights, rows past M weighed too) and,
+# with that switched off, loading their weight and xscale in each live row
+CASES = ([(op, True, flavor, rows) for op in OPS for flavor, rows in FLAVORS]
+         + [(op, False, flavor, rows) for op in OPS if op.startswith("quant")
+            for flavor, rows in FLAVORS[1:]])
 
 
-@pytest.mark.parametrize("op,early,flavor,rows_per_program", CASES, ids=lambda v: str(v))
-def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, early, flavor,
+@pytest.mark.parametrize("op,held,flavor,rows_per_program", CASES, ids=lambda v: str(v))
+def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, held, flavor,
                                                   rows_per_program):  # noqa: F811
     be = sim()
     quant = op.startswith("quant")
@@ -72,15 +75,17 @@ def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, ear
     res = aligned_copy(random_array(rng, (m, n), dtype))
     w = aligned_copy(random_array(rng, n, FLOAT32 if quant else dtype, loc=1.0, scale=0.2))
     xs = aligned_copy(random_array(rng, n, FLOAT32, loc=1.0, scale=0.2)) if quant else None
-    offset = 0.0 if op != "fused_add" else 0.5
+    # an offset where the kernel takes its offset add (quantised rows drop it at offset 0)
+    offset = 0.5 if op in ("fused_add", "quant_fp8_residual") else 0.0
     inputs = (x, res, w, xs, offset)
     x0, res0 = x.copy(), res.copy()
 
-    streamed, spec = _run(be, op, inputs, True, monkeypatch, early)
+    streamed, spec = _run(be, op, inputs, True, monkeypatch, held)
     one_shot, spec1 = _run(be, op, inputs, False, monkeypatch)
 
     assert spec.vector and spec.layout == spec1.layout and spec.rows == rows, spec
-    assert spec.offset == (offset != 0.0 or not quant)   # the offset switch: quant only
+    # the offset switch: quantised rows with a weight only
+    assert spec.offset == (offset != 0.0 or not quant or op == "quant_int8_xscale_only")
     for i, (a, b) in enumerate(zip(streamed, one_shot)):
         a = a.view(np.uint8) if a.dtype.itemsize == 1 else a
         b = b.view(np.uint8) if b.dtype.itemsize == 1 else b
@@ -97,9 +102,10 @@ def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, ear
         assert_close(streamed[0], y_ref, dtype)
         assert_close(streamed[1], ro_ref, dtype)
     else:
-        fmt = "int8" if op == "quant_int8" else "float8_e4m3fn"
-        ref = rms_norm_quant_ref(x, w, xscale=xs, residual=None if fmt == "int8" else res,
-                                 quant_dtype=fmt)
+        fmt = "int8" if op.startswith("quant_int8") else "float8_e4m3fn"
+        ref = rms_norm_quant_ref(x, None if op == "quant_int8_xscale_only" else w, xscale=xs,
+                                 residual=None if fmt == "int8" else res, quant_dtype=fmt,
+                                 weight_offset=offset)
         assert_quant_close(streamed[0], streamed[1], ref[0], ref[1], fmt)
 
 
@@ -115,17 +121,14 @@ def test_stream_is_chosen_for_cached_vector_rows_only():
     assert _config.fwd_programs(cached, 10_000, 132, 6) == 132 * 6
     assert _config.fwd_programs(cached, 100, 132, 6) == 100
     assert _config.fwd_programs(looped, 10_000, 132, 6) == 10_000
-    # unbranched weight loads: streamed quantised rows only, up to a number of rows per SM
-    def early(vector=True, quant="int8"):
-        return _config.fwd_spec(4096, BFLOAT16, BFLOAT16, vector, False, quant=quant,
-                                xscale=FLOAT32 if quant else "", stream=True,
-                                early_weights=True).early_weights
-    assert early() and not early(quant="") and not early(vector=False)
-    with pytest.raises(ValueError, match="early_weights needs a streamed quantised spec"):
-        dataclasses.replace(looped, early_weights=True)
-    per_sm = _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM
-    assert _config.fwd_early_weights(per_sm * 132, 132)
-    assert not _config.fwd_early_weights(per_sm * 132 + 1, 132)
+    # held gains: streamed quantised rows with a weight or an xscale to hold, only
+    def held(vector=True, quant="int8", weight=BFLOAT16, xscale=FLOAT32):
+        return _config.fwd_spec(4096, BFLOAT16, weight, vector, False, quant=quant,
+                                xscale=xscale if quant else "", stream=True).held_weights
+    assert held() and held(weight="") and held(xscale="")
+    assert not held(quant="") and not held(vector=False) and not held(weight="", xscale="")
+    with pytest.raises(ValueError, match="held_weights needs a streamed quantised spec"):
+        dataclasses.replace(looped, held_weights=True)
     limits = _config.FWD_STREAM_ROWS_PER_SM
     for vendor, kinds in limits.items():
         for kind, limit in kinds.items():

@@ -52,16 +52,14 @@ class GpuBackend:
         vector one when the strides allow it, chosen per call when the pointers are 16-byte
         aligned too.  ``fused``: (residual, quant, xscale, weight_offset != 0) of the variant
         (FwdSpec), with the row strides of its other arrays in ``more_strides`` (in x's
-        elements).  Keys are fwd_spec's arguments; the vector one says whether to stream (and a
-        streamed quantised one whether its weight loads go unbranched)."""
+        elements).  Keys are fwd_spec's arguments; the vector one says whether to stream."""
         y_stride = n if y_stride is None else y_stride
         strides_ok = GpuBackend._rows_aligned(n, dtype,
                                               (x_stride, y_stride) + tuple(more_strides))
         residual, quant = fused[0], fused[1]
         stream = _config.fwd_stream(self.vendor, residual, quant, m, self.sm_count)
-        early = _config.fwd_early_weights(m, self.sm_count)   # fwd_spec keeps it where it applies
-        scalar = (n, dtype, weight_dtype, False, store_rstd) + tuple(fused) + (False, False)
-        vector = (n, dtype, weight_dtype, True, store_rstd) + tuple(fused) + (stream, early)
+        scalar = (n, dtype, weight_dtype, False, store_rstd) + tuple(fused) + (False,)
+        vector = (n, dtype, weight_dtype, True, store_rstd) + tuple(fused) + (stream,)
         return (vector if strides_ok else None), scalar
 
     def _fwd_plan(self, key):

@@ -40,20 +40,27 @@ BLOCK_THREADS = 128
 #   fused add bf16 92 -> 86 at 4096x4096, 3-7 points down elsewhere (95 registers: 3 blocks/SM)
 #   SmoothQuant int8 bf16 (fma levels) 32768x4096 87.5 -> 93.6, 16384x8192 84 -> 92, 4096x4096
 #     62 -> 67, 1024x8192 47 -> 49; float32 x 16384x4096 77 -> 89, 4096x4096 64 -> 72
-#   quantised with a residual (bf16 fp8) 32768x4096 97 -> 92, 4096x4096 83 -> 81
+#   quantised with a residual (bf16 fp8) 32768x4096 97 -> 92, 4096x4096 83 -> 81; with held
+#     gains (FWD_STREAM_HELD_WEIGHTS; results/tune_h200_20261130_s9/
+#     tune_stream_quant_res_held.json, two runs each) 32768x4096 97.3 -> 92.7, 16384x8192 97.1
+#     -> 93.3, 4096x4096 80.0 / 83.5 -> 83.9 / 84.7, 1024x8192 69.1 -> 72.6: streamed up to 32
+#     rows per SM
 # AMD: not measured, so not streamed.
 FWD_STREAM_ROWS_PER_SM = {
-    "cuda": {"plain": 16, "residual": 0, "quant": None, "quant_residual": 0},
+    "cuda": {"plain": 16, "residual": 0, "quant": None, "quant_residual": 32},
     "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
 }
-# streamed quantised rows at up to this many rows per SM issue each row's weight and xscale loads
-# together (no branch on the row around them, rows past M weighed too); above it the loads stay
-# in the live-row branch, a chunk's at a time.  Same operations: the same bits.  H200, bf16
-# SmoothQuant int8, % of copy, in the branch / together (results/tune_h200_20261130_s8/
-# tune_stream_hoist.json; ptxas 122 / 103 registers, 4 blocks of 128 threads per SM either way):
-#   32768x4096 92.9 / 91.1 (248 rows per SM), 16384x8192 88.8 / 88.9 (124),
-#   4096x4096 65.2 / 68.9 (31), 1024x8192 51.7 / 57.9 (8)
-FWD_EARLY_WEIGHTS_ROWS_PER_SM = 64
+# streamed quantised rows hold their columns' gains g = (weight + offset) * xscale in registers,
+# loaded once per program, so a row weighs its chunks with one multiply per element and loads
+# no weight or xscale (the quantised row is bound by instruction issue).  Every quantised
+# variant forms t = h * g, so the bits do not depend on it.  ptxas: 124-128 registers for 16-bit
+# rows (4 blocks of 128 threads per SM, as before), no spills.  H200, % of copy, held / loaded
+# per row (results/tune_h200_20261130_s9/tune_stream_held.json; session 8's small-batch form,
+# loads unbranched, in the loaded column):
+#   SmoothQuant int8 bf16 32768x4096 95.1 / 92.9, 16384x8192 94.1 / 88.8, 4096x4096 75.7 / 72.9,
+#   1024x8192 62.9 / 59.2; float32 x 16384x4096 91.3 / 90.7, 4096x4096 74.6 / 74.6;
+#   with a residual (fp8, streamed for this run) 32768x4096 94.6 / 93.0, 4096x4096 83.3 / 79.4
+FWD_STREAM_HELD_WEIGHTS = True
 
 
 def ceil_div(a, b):
@@ -126,13 +133,15 @@ class FwdSpec:
     exact: bool = False     # cached row, every chunk of every thread in it: no column checks
     offset: bool = True     # weight_offset added to the weight (False: the call's offset is 0)
     stream: bool = False    # persistent grid, the next row's words loaded during this row
-    early_weights: bool = False     # streamed quantised rows: weight / xscale loads unbranched
+    held_weights: bool = False      # streamed quantised rows: gains held in registers
 
     def __post_init__(self):
-        # one-shot rows must keep the live-row branch (without it their SmoothQuant went 86 ->
-        # 77% of copy at 32768x4096): fwd_spec never asks otherwise, nor may a spec built by hand
-        if self.early_weights and not (self.stream and self.quant):
-            raise ValueError(f"FwdSpec: early_weights needs a streamed quantised spec, got "
+        if self.xscale and not self.quant:
+            raise ValueError(f"FwdSpec: xscale (SmoothQuant) needs quant, got xscale="
+                             f"{self.xscale!r}, quant={self.quant!r}")
+        # a one-shot block has one row to weigh: nothing to hold the gains across
+        if self.held_weights and not (self.stream and self.quant):
+            raise ValueError(f"FwdSpec: held_weights needs a streamed quantised spec, got "
                              f"stream={self.stream}, quant={self.quant!r}")
 
     @property
@@ -154,19 +163,14 @@ def fwd_stream(vendor, residual, quant, m, sm_count):
     return limit is None or m <= limit * sm_count
 
 
-def fwd_early_weights(m, sm_count):
-    """Whether a streamed quantised forward of ``m`` rows issues its weight loads unbranched."""
-    return m <= FWD_EARLY_WEIGHTS_ROWS_PER_SM * sm_count
-
-
 def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale="",
-             offset=True, stream=False, early_weights=False, vendor="cuda"):
+             offset=True, stream=False, vendor="cuda"):
     """The forward kernel a call runs (the dispatcher's only decision for the forward) on a
     ``vendor`` ("cuda" or "hip") GPU.  ``offset=False`` (weight_offset == 0) is a variant of the
     quantised rows only: their issue slots are the bound, and it saves one FADD per element
     (the same switch measured nothing on rms_norm and the fused add: tune_stream.json).
-    ``stream`` (fwd_stream) applies to cached vector rows, ``early_weights``
-    (fwd_early_weights) to streamed quantised ones."""
+    ``stream`` (fwd_stream) applies to cached vector rows; streamed quantised rows hold
+    their gains (FWD_STREAM_HELD_WEIGHTS)."""
     layout = quant_row_layout(n, dtype, vendor) if quant else row_layout(n, dtype)
     # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
     # exactly threads x chunks; on AMD the branch-free row took the fp32 N = 4096 quantised
@@ -174,10 +178,11 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     exact = (vendor == "cuda" and bool(quant) and layout.cached and n % layout.chunk == 0
              and layout.n_chunks == layout.threads * layout.chunks_per_thread)
     stream = stream and vector and layout.cached
+    held = FWD_STREAM_HELD_WEIGHTS and stream and bool(quant) and bool(weight or xscale)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
                    xscale=xscale, exact=exact, offset=offset or not (quant and weight),
-                   stream=stream, early_weights=early_weights and stream and bool(quant))
+                   stream=stream, held_weights=held)
 
 
 def fwd_programs(spec, m, sm_count, resident_per_sm):

@@ -37,7 +37,7 @@ class Variant:
                           + (f":xs={s.xscale}" if s.xscale else "")
                           + ("" if s.offset else ":offset=0"))
             flags += ":stream" if s.stream else ""
-            flags += ":early" if s.early_weights else ""
+            flags += ":held" if s.held_weights else ""
         return f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}:{flags}"
 
     @property
@@ -80,32 +80,29 @@ def fused_variants(ns=FUSED_REPRESENTATIVE_N, vendor="cuda"):
     """Per dtype, path and access form: one fused add and two of the four quantised kinds (int8 /
     fp8 x with / without residual), alternating between the vector and scalar forms of a path,
     with weight, rstd and xscale dtypes rotating over them: every switch appears on every path
-    and dtype without their full product (each variant costs ~1 s of CPU per compiler); each
-    streamed quantised one also in its small-batch form (FwdSpec.early_weights)."""
+    and dtype without their full product (each variant costs ~1 s of CPU per compiler)."""
     wide = _dtypes.FLOAT32
     for dtype in _dtypes.ACTIVATION_DTYPES:
         for n in ns:
             layout = _config.row_layout(n, dtype)
             for vector in ([True, False] if n % layout.chunk == 0 else [False]):
-                def spec(weight, store_rstd, residual, quant="", xscale="", offset=True,
-                         early=False):
-                    # streamed where that kind streams at some M (fwd_spec: if it can)
-                    stream = _streams(vendor, residual, quant)[-1]
-                    return _config.fwd_spec(n, dtype, weight, vector, store_rstd, residual,
-                                            quant, xscale, offset, stream, early, vendor)
+                def specs_of(weight, store_rstd, residual, quant="", xscale="", offset=True):
+                    # one-shot and streamed where that kind takes either at some M (fwd_spec
+                    # streams if it can)
+                    return list(dict.fromkeys(
+                        _config.fwd_spec(n, dtype, weight, vector, store_rstd, residual, quant,
+                                         xscale, offset, stream, vendor)
+                        for stream in _streams(vendor, residual, quant)))
                 if vector or n % layout.chunk:      # the vector form, or a ragged N's only form
-                    specs = [("fused_add", spec(dtype, True, True)),
-                             ("quant", spec(dtype, False, False, _dtypes.INT8, wide)),
-                             ("quant", spec(dtype, False, False, _dtypes.INT8, wide, False)),
-                             ("quant", spec(wide, False, True, _dtypes.FLOAT8_E4M3FN, dtype))]
+                    kinds = [("fused_add", (dtype, True, True)),
+                             ("quant", (dtype, False, False, _dtypes.INT8, wide)),
+                             ("quant", (dtype, False, False, _dtypes.INT8, wide, False)),
+                             ("quant", (wide, False, True, _dtypes.FLOAT8_E4M3FN, dtype))]
                 else:
-                    specs = [("fused_add", spec("", False, True)),
-                             ("quant", spec("", False, True, _dtypes.INT8)),
-                             ("quant", spec(dtype, False, False, _dtypes.FLOAT8_E4M3FN, wide))]
-                # a streamed quantised row of a small batch (its weight loads unbranched) too
-                specs += [(op, spec(s.weight, s.store_rstd, s.residual, s.quant, s.xscale,
-                                    s.offset, early=True))
-                          for op, s in specs if s.stream and s.quant]
+                    kinds = [("fused_add", ("", False, True)),
+                             ("quant", ("", False, True, _dtypes.INT8)),
+                             ("quant", (dtype, False, False, _dtypes.FLOAT8_E4M3FN, wide))]
+                specs = [(op, s) for op, args in kinds for s in specs_of(*args)]
                 for op, s in specs:
                     yield Variant(op, rmsnorm_fwd.make_rmsnorm_fwd, s, rmsnorm_fwd.argtypes(s))
 

@@ -59,7 +59,9 @@ def make_row_sumsq(intr, dtype):
 
 def make_scale(intr, dtype, weight_dtype, xscale_dtype=""):
     """scale(h, j, r, weight, xscale, weight_offset): element ``j`` of a stored row ``h`` times
-    rstd, (weight + weight_offset) and xscale as present (the GPU kernel's order)."""
+    rstd, (weight + weight_offset) and xscale as present, in that order (the GPU kernels' order
+    for rows that are not quantised; quantised ones form (weight + weight_offset) * xscale
+    first, so the two backends' q may differ by a level)."""
     decode = codec(intr, dtype)[0]
     decode_w = codec(intr, weight_dtype or _dtypes.FLOAT32)[0]
     decode_s = codec(intr, xscale_dtype or _dtypes.FLOAT32)[0]

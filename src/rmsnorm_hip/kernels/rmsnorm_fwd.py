@@ -5,7 +5,8 @@ switches of the same row body (``FwdSpec.residual`` / ``quant`` / ``xscale``).
     rstd  = 1 / sqrt(mean(h**2) + eps)                 per row, float32
     y     = (h * rstd) * (weight + weight_offset)      one rounding to y's dtype
 quantised (y never rounded before it; t is y without rstd, float32):
-    t     = h * (weight + weight_offset) * xscale,     y = t * rstd
+    g     = (weight + weight_offset) * xscale          the column's gain
+    t     = h * g,                                     y = t * rstd
     yscale = rstd * max|t| / QMAX  (max|y| / QMAX up to float32 rounding; 1 for an all-zero row)
     q     = clamp(rne(t * (rstd / yscale)))          (rne((t * rstd) / yscale) where
                                                      rstd / yscale overflows)
@@ -25,8 +26,10 @@ and store nothing; absent arrays are null pointers that are never touched.
 Streamed (``FwdSpec.stream``, cached vector rows; chosen per call, kernels/_config): a persistent
 grid whose block p takes the row blocks p, p + P, ...; each thread holds a row's chunks as the
 loaded 32-bit words and loads the next row's words before this row's stores and reduction (two
-word buffers, used alternately).  The float32 operations per row are the cached one-shot
-row's, so the bits are too.  Rows of another program are never read, so in place still holds.
+word buffers, used alternately).  Quantised programs also hold their columns' gains g in
+registers, loaded once (``FwdSpec.held_weights``), where a one-shot row loads them with its
+chunks.  The float32 operations per row are the cached one-shot row's, so the bits are too.
+Rows of another program are never read, so in place still holds.
 """
 import math
 
@@ -88,7 +91,9 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
     n_red = 2 if quant else 1                   # sum and max: one shared buffer each
     stream = spec.stream
-    early_weights = spec.early_weights          # streamed quantised rows only (FwdSpec)
+    held = spec.held_weights                    # streamed quantised rows only (FwdSpec)
+    has_gain = has_weight or has_xscale
+    gains_len = cache_len if held else 1
     red_bufs = 2 * n_red if stream else n_red   # streamed rows alternate between two halves
     words = per_thread * 4 if stream else 1     # 32-bit words of a row's chunks per thread
     residual_words = words if has_residual else 1
@@ -150,27 +155,58 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             acc += chunk_sumsq(vals, slot)
         return acc
 
-    def make_scale_chunk(with_rstd):
-        @jitable
-        def scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals):
-            """vals[slot:] <- h * r * (weight + weight_offset) [* xscale] for one chunk; without
-            ``with_rstd`` (``r`` unused), the quantiser's t = h * (weight + weight_offset)
-            [* xscale], y before the row's rstd (y = t * rstd)."""
+    @jitable
+    def scale_chunk(weight, col0, r, weight_offset, vals, slot, wvals):
+        """vals[slot:] <- y = h * r * (weight + weight_offset) for one chunk (rows that are not
+        quantised, which have no xscale: FwdSpec)."""
+        if has_weight:
+            load_w(weight, 0, col0, wvals, 0)
+        for e in range(chunk):
+            v = vals[slot + e] * r
             if has_weight:
-                load_w(weight, 0, col0, wvals, 0)
+                v = v * (wvals[e] + weight_offset if add_offset else wvals[e])
+            vals[slot + e] = v
+
+    @jitable
+    def load_gain(weight, xscale, col0, weight_offset, wvals, svals):
+        """wvals[0:chunk] <- the quantiser's gain g = (weight + weight_offset) * xscale of one
+        chunk (the factors present; 1 where neither is)."""
+        if has_weight:
+            load_w(weight, 0, col0, wvals, 0)
+        if has_xscale:
+            load_s(xscale, 0, col0, svals, 0)
+        for e in range(chunk):
+            g = float32(1.0)
+            if has_weight:
+                g = wvals[e] + weight_offset if add_offset else wvals[e]
             if has_xscale:
-                load_s(xscale, 0, col0, svals, 0)
+                g = g * svals[e] if has_weight else svals[e]
+            wvals[e] = g
+
+    @jitable
+    def weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals, svals, gains):
+        """vals[slot:] <- t = h * g for one chunk: g loaded here, or with ``held`` taken from
+        the program's ``gains[slot:]`` (streamed rows, loaded once: hold_gains)."""
+        if held:
             for e in range(chunk):
-                v = vals[slot + e] * r if with_rstd else vals[slot + e]
-                if has_weight:
-                    v = v * (wvals[e] + weight_offset if add_offset else wvals[e])
-                if has_xscale:
-                    v = v * svals[e]
-                vals[slot + e] = v
+                vals[slot + e] = vals[slot + e] * gains[slot + e]
+        elif has_gain:
+            load_gain(weight, xscale, col0, weight_offset, wvals, svals)
+            for e in range(chunk):
+                vals[slot + e] = vals[slot + e] * wvals[e]
 
-        return scale_chunk
-
-    scale_chunk, weigh_chunk = make_scale_chunk(True), make_scale_chunk(False)
+    @jitable
+    def hold_gains(weight, xscale, tx, weight_offset, wvals, svals, gains):
+        """A streamed quantised program's gains of its columns, once (zeros past the row)."""
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if full or col0 < n:
+                load_gain(weight, xscale, col0, weight_offset, wvals, svals)
+                for e in range(chunk):
+                    gains[k * chunk + e] = wvals[e]
+            else:
+                for e in range(chunk):
+                    gains[k * chunk + e] = float32(0.0)
 
     @jitable
     def reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals, slot, rvals,
@@ -192,12 +228,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 if not cached:
                     reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals,
                              slot, rvals, True)
-                scale_chunk(weight, xscale, col0, r, weight_offset, vals, slot, wvals, svals)
+                scale_chunk(weight, col0, r, weight_offset, vals, slot, wvals)
                 store_y(y, y_start, col0, vals, slot)
 
     @jitable
     def sumsq_amax_row(x, residual, weight, xscale, x_start, r_start, live, tx, trips,
-                       weight_offset, vals, rvals, wvals, svals):
+                       weight_offset, vals, rvals, wvals, svals, gains):
         """A quantised row's pass before its one reduction: this thread's share of sum(h**2)
         (the same operations as sumsq_row) and max|t| over its chunks, t kept in vals when
         cached.  max_abs ignores NaN (a row holding NaN / Inf in h is caught by its sum of
@@ -215,14 +251,10 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                     for e in range(chunk):
                         vals[e] = float32(0.0)
             acc += chunk_sumsq(vals, slot)
-            # early_weights (streamed rows of a small batch, _config.FWD_EARLY_WEIGHTS_ROWS_PER_SM):
-            # rows past M are weighed too (their h is zero and nothing of them is stored), so
-            # with no branch on the row ptxas issues every chunk's weight and xscale loads
-            # together instead of one chunk's at a time.  One-shot rows keep the branch: without
-            # it they went 86 -> 77% of copy at 32768x4096 (benchmarks/NOTES.md)
-            if (full or col0 < n) and (live or early_weights):
-                weigh_chunk(weight, xscale, col0, float32(1.0), weight_offset, vals, slot, wvals,
-                            svals)
+            # held gains cost no loads: rows past M are weighed too (their h is zero and
+            # nothing of them is stored) rather than branched around
+            if (full or col0 < n) and (live or held):
+                weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals, svals, gains)
                 for e in range(chunk):
                     amax = max_abs(amax, vals[slot + e])
         return acc, amax
@@ -230,7 +262,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     def make_quantise_row(through_y):
         @jitable
         def quantise_row(x, residual, weight, xscale, q, residual_out, x_start, r_start, q_start,
-                         ro_start, tx, trips, weight_offset, r, s, vals, rvals, wvals, svals):
+                         ro_start, tx, trips, weight_offset, r, s, vals, rvals, wvals, svals,
+                         gains):
             """A quantised row's last pass: q = t * s in 8-bit levels, s = rstd / yscale; or
             ``through_y``, q = (t * rstd) * s with s = 1 / yscale.  Looped layouts recompute t
             with sumsq_amax_row's operations, so the same bits."""
@@ -241,8 +274,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                     if not cached:
                         reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0,
                                  vals, slot, rvals, True)
-                        weigh_chunk(weight, xscale, col0, r, weight_offset, vals, slot,
-                                    wvals, svals)
+                        weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals,
+                                    svals, gains)
                     if through_y:
                         for e in range(chunk):
                             vals[slot + e] = vals[slot + e] * r
@@ -259,14 +292,14 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     @jitable
     def normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
                       x_start, r_start, y_start, ro_start, tx, ty, trips, eps, weight_offset, red,
-                      buf, vals, rvals, wvals, svals):
+                      buf, vals, rvals, wvals, svals, gains):
         """A row from its sum of squares on: cached layouts have h in vals (residual_out stored);
         ``red[buf:]`` takes its reduction."""
         if quant:
             # one reduction round for both: yscale = rstd * max|t| / QMAX is max|y| / QMAX up to
             # float32 rounding (y = t * rstd), and the row needs no second barrier
             acc, amax = sumsq_amax_row(x, residual, weight, xscale, x_start, r_start, live, tx,
-                                       trips, weight_offset, vals, rvals, wvals, svals)
+                                       trips, weight_offset, vals, rvals, wvals, svals, gains)
             total, amax = row_sum_max(acc, amax, red, buf, ty, tx)
             r = float32(1.0) / math.sqrt(total / n_f32 + eps)
             scale = amax * r / qmax
@@ -284,12 +317,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 if math.isfinite(s) and (math.isfinite(scale) or not fma_levels):
                     quantise_row(x, residual, weight, xscale, y, residual_out, x_start, r_start,
                                  y_start, ro_start, tx, trips, weight_offset, r, s, vals, rvals,
-                                 wvals, svals)
+                                 wvals, svals, gains)
                 else:   # max|t| below ~1e-36 (subnormal rows): rstd / yscale overflows;
                     # or a t that is NaN / Inf
                     quantise_row_through_y(x, residual, weight, xscale, y, residual_out, x_start,
                                            r_start, y_start, ro_start, tx, trips, weight_offset,
-                                           r, inv, vals, rvals, wvals, svals)
+                                           r, inv, vals, rvals, wvals, svals, gains)
             return
         acc = sumsq_row(x, residual, x_start, r_start, live, tx, trips, vals, rvals)
         total = row_sum(acc, red, buf, ty, tx)
@@ -302,7 +335,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
 
     @jitable
     def forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
-                r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals, svals):
+                r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals, svals,
+                gains):
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
         row = int64(gpu.blockIdx.x) * rows + ty
@@ -318,7 +352,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals)
         normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
                       x_start, r_start, y_start, ro_start, tx, ty, trips, eps, weight_offset, red,
-                      0, vals, rvals, wvals, svals)
+                      0, vals, rvals, wvals, svals, gains)
 
     # ---- streamed rows (spec.stream: cached vector layouts) -------------------------------
     @jitable
@@ -340,7 +374,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     @jitable
     def stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, row, step,
                    x_stride, r_stride, y_stride, ro_stride, eps, weight_offset, red, buf, tx, ty,
-                   vals, rvals, wvals, svals, xw, rw, next_xw, next_rw):
+                   vals, rvals, wvals, svals, gains, xw, rw, next_xw, next_rw):
         """One row of a streamed program: h from this row's words (xw, rw), the next row's
         words loaded into (next_xw, next_rw) before this row's stores and reduction."""
         live = row < m
@@ -363,12 +397,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                     store_y(residual_out, ro_start, col0, vals, k * chunk)
         normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
                       x_start, r_start, y_start, ro_start, tx, ty, per_thread, eps, weight_offset,
-                      red, buf, vals, rvals, wvals, svals)
+                      red, buf, vals, rvals, wvals, svals, gains)
 
     @jitable
     def stream_rows(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                     r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals,
-                    svals, aw, ar, bw, br):
+                    svals, gains, aw, ar, bw, br):
         """A persistent program: block p takes the row blocks p, p + P, ...  Two word buffers
         alternate (a, b) so no words are copied; consecutive rows reduce through alternate
         halves of ``red``, one barrier each."""
@@ -379,15 +413,17 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         row = program * rows + ty
         iters = (m - program * rows + step - 1) // step     # uniform in the block
         load_row_words(x, residual, row, m, x_stride, r_stride, tx, aw, ar)
+        if held:
+            hold_gains(weight, xscale, tx, weight_offset, wvals, svals, gains)
         for it in range(0, iters, 2):
             stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, row, step,
                        x_stride, r_stride, y_stride, ro_stride, eps, weight_offset, red, 0, tx,
-                       ty, vals, rvals, wvals, svals, aw, ar, bw, br)
+                       ty, vals, rvals, wvals, svals, gains, aw, ar, bw, br)
             if it + 1 < iters:
                 stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m,
                            row + step, step, x_stride, r_stride, y_stride, ro_stride, eps,
-                           weight_offset, red, n_red, tx, ty, vals, rvals, wvals, svals, bw, br,
-                           aw, ar)
+                           weight_offset, red, n_red, tx, ty, vals, rvals, wvals, svals, gains,
+                           bw, br, aw, ar)
             row += 2 * step
 
     def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
@@ -396,15 +432,16 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         rvals = gpu.local.array(cache_len, float32)
         wvals = gpu.local.array(chunk, float32)
         svals = gpu.local.array(chunk, float32)
+        # not quantised: no gains (svals stands in for the unused array)
         if stream:
             aw = gpu.local.array(words, uint32)
             bw = gpu.local.array(words, uint32)
             stream_rows(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride,
-                        y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, aw, aw, bw,
-                        bw)
+                        y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, svals, aw,
+                        aw, bw, bw)
         else:
             forward(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride,
-                    y_stride, eps, weight_offset, red, vals, rvals, wvals, svals)
+                    y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, svals)
 
     def rmsnorm_fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                           r_stride, y_stride, ro_stride, eps, weight_offset):
@@ -413,6 +450,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         rvals = gpu.local.array(cache_len, float32)
         wvals = gpu.local.array(chunk, float32)
         svals = gpu.local.array(chunk, float32)
+        gains = gpu.local.array(gains_len, float32)    # held gains (streamed quantised rows)
         if stream:
             aw = gpu.local.array(words, uint32)
             ar = gpu.local.array(residual_words, uint32)
@@ -420,10 +458,10 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             br = gpu.local.array(residual_words, uint32)
             stream_rows(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                         r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals,
-                        wvals, svals, aw, ar, bw, br)
+                        wvals, svals, gains, aw, ar, bw, br)
         else:
             forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                     r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals,
-                    svals)
+                    svals, gains)
 
     return rmsnorm_fused_fwd if spec.fused else rmsnorm_fwd
