@@ -10,8 +10,9 @@ backward could save.  Times, with numba-cuda:
                 one float per column
   reduce        the library's dweight reduction itself on the same workspace (bf16 dweight)
 
-One JSON line per kernel; all of them in OUT/launch_floor.json.  Not run yet (written in session
-8 after the device time was spent).
+One JSON line per kernel; all of them in OUT/launch_floor.json.  Session 9's run:
+results/tune_h200_20261130_s9/launch_floor.json (0.64 us empty, 4.5 us for the reduction on a
+workspace the flush evicted; the same reduction on a workspace just written: reduce_probe.py).
 
     PYTHONPATH=src python3 benchmarks/launch_floor.py [--out DIR]
 """
