@@ -83,6 +83,34 @@ def _nan_outputs(monkeypatch):
     monkeypatch.setattr(_arrays, "empty", poisoned)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Backward plans are memoised per call shape in the (process-wide) backend objects: a test
+    that patches _config must not leave its kernels to the next test, nor find another's."""
+    from rmsnorm_hip import backends
+
+    def clear():
+        for be in list(backends._backends.values()):
+            getattr(be, "_bwd_plans", {}).clear()
+    clear()
+    yield
+    clear()
+
+
+def _patch(be, monkeypatch, name, value):
+    """Patch a _config setting and drop the backend's memoised backward plans (one per call
+    shape), so that the next call builds its kernel from the patched setting."""
+    monkeypatch.setattr(_config, name, value)
+    be._bwd_plans.clear()
+
+
+def _ran(be):
+    """The BwdSpec of the only backward plan the backend holds (the last call's)."""
+    specs = {plan[0] for plan in be._bwd_plans.values()}
+    assert len(specs) == 1, specs
+    return specs.pop()
+
+
 # simulator: every GPU path, deterministic, batch invariant
 # (M, N, dtype, weight dtype, looped): multi-row (ragged), one row per block, the looped layout.
 # The looped layout is reached by lowering the register budget, so that a simulated block stays
@@ -161,22 +189,24 @@ def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, d
     and without the next row's words prefetched, run the same float32 operations as the
     float-holding form.  The simulator's grid has at most 2 programs: 5 rows take each program
     through several rows, the last prefetch past M."""
-    use_backend("sim")
+    be = use_backend("sim")
     x, dy = random_array(rng, (5, 1024), dtype), random_array(rng, (5, 1024), dtype)
     w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
     assert _config.bwd_spec(1024, dtype, dtype, True, True, False).prefetch
     packed = rms_norm_backward(dy, x, w)
+    assert _ran(be).prefetch
     assert_dweight(packed[1], rms_norm_backward_ref(dy, x, w, None)[1], dtype)
-    monkeypatch.setattr(_config, "BWD_PREFETCH", False)
+    _patch(be, monkeypatch, "BWD_PREFETCH", False)
     spec = _config.bwd_spec(1024, dtype, dtype, True, True, False)
     assert spec.packed and not spec.prefetch
     unfetched = rms_norm_backward(dy, x, w)
+    assert _ran(be) == spec
     assert_bitwise(packed[0], unfetched[0], "dx, prefetch vs not")
     assert_bitwise(packed[1], unfetched[1], "dweight, prefetch vs not")
-    monkeypatch.setattr(_config, "BWD_PACK_16BIT" if dtype != FLOAT32 else "BWD_PACK_32BIT",
-                        False)
+    _patch(be, monkeypatch, "BWD_PACK_16BIT" if dtype != FLOAT32 else "BWD_PACK_32BIT", False)
     assert not _config.bwd_spec(1024, dtype, dtype, True, True, False).packed
     plain = rms_norm_backward(dy, x, w)
+    assert not _ran(be).packed
     assert_bitwise(packed[0], plain[0], "dx")
     assert_bitwise(packed[1], plain[1], "dweight")
 
@@ -187,7 +217,7 @@ def test_sim_next_rstd_gives_the_in_row_bits(rng, use_backend, monkeypatch, dtyp
     """Prefetching rows with the forward's rstd load the next row's rstd with its words
     (BwdSpec.prefetch_rstd) or in the row itself: the same bits.  Not with dresidual (measured
     slower there) nor with rstd recomputed (there is none to load)."""
-    use_backend("sim")
+    be = use_backend("sim")
     x, dy = random_array(rng, (5, 1024), dtype), random_array(rng, (5, 1024), dtype)
     w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
     rstd = rms_norm(x, w, return_rstd=True)[1]
@@ -198,10 +228,12 @@ def test_sim_next_rstd_gives_the_in_row_bits(rng, use_backend, monkeypatch, dtyp
     ref = rms_norm_backward_ref(dy, x, w, rstd)
     assert_dx(ahead[0], dy, x, w, rstd, ref[0], dtype)
     assert_dweight(ahead[1], ref[1], dtype)
-    monkeypatch.setattr(_config, "BWD_PREFETCH_RSTD", False)
+    assert _ran(be).prefetch_rstd
+    _patch(be, monkeypatch, "BWD_PREFETCH_RSTD", False)
     spec = _config.bwd_spec(1024, dtype, dtype, True, False, False)
     assert spec.prefetch and not spec.prefetch_rstd
     in_row = rms_norm_backward(dy, x, w, rstd)
+    assert _ran(be) == spec
     assert_bitwise(ahead[0], in_row[0], "dx, next-row rstd vs in the row")
     assert_bitwise(ahead[1], in_row[1], "dweight, next-row rstd vs in the row")
 
@@ -211,7 +243,7 @@ def test_sim_next_rstd_gives_the_in_row_bits(rng, use_backend, monkeypatch, dtyp
 def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, dtype, given_rstd):
     """Packed rows with dresidual load its words before the row's reduction (BwdSpec.early_dres)
     or decode it from a load in pass 2: the same bits, and both the float64 contract."""
-    use_backend("sim")
+    be = use_backend("sim")
     x, dy, dres = (random_array(rng, (5, 1024), dtype) for _ in range(3))
     w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
     rstd = rms_norm(x, w, return_rstd=True)[1] if given_rstd else None
@@ -220,9 +252,11 @@ def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, 
     ref = rms_norm_backward_ref(dy, x, w, None, dresidual=dres)
     assert_dx(early[0], dy, x, w, rms_norm(x, w, return_rstd=True)[1], ref[0], dtype)
     assert_dweight(early[1], ref[1], dtype)
-    monkeypatch.setattr(_config, "BWD_EARLY_DRESIDUAL", False)
+    assert _ran(be).early_dres
+    _patch(be, monkeypatch, "BWD_EARLY_DRESIDUAL", False)
     assert not _config.bwd_spec(1024, dtype, dtype, True, not given_rstd, True).early_dres
     late = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
+    assert not _ran(be).early_dres
     assert_bitwise(early[0], late[0], "dx, early vs late dresidual")
     assert_bitwise(early[1], late[1], "dweight, early vs late dresidual")
 
