@@ -188,7 +188,8 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
 def fwd_programs(spec, m, sm_count, resident_per_sm):
     """Blocks of a forward launch: one per ``rows`` rows, or for a streamed spec the programs
     the device holds at once, no more than there are blocks of rows (H200: capping them at 2 or
-    4 per SM measured the same or worse, tune_stream.json)."""
+    4 per SM measured the same or worse, tune_stream.json; SmoothQuant rows holding their gains
+    at 2 or 3 of their 4, 7-20 points worse at every M, tune_stream_cap.json)."""
     blocks = ceil_div(m, spec.rows)
     return max(1, min(blocks, resident_per_sm * sm_count)) if spec.stream else blocks
 
