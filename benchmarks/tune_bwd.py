@@ -6,6 +6,10 @@ per (shape, setting) and writes them to --out (default $OUT or .)/tune_bwd.json.
 
     PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings prefetch,no_prefetch] [--dres]
         [--shapes 4096x4096,...] [--flush write|read] [--tag _suffix]
+
+Session 10 also ran ``tail`` / ``two_kernel`` (branch exp/tail-reduce) and ``p_fit`` /
+``p_balanced`` / ``p_128max`` (the grid's programs: as many as fit, the fewest that keep the
+most row blocks a program takes, at most 128), with knobs since removed (benchmarks/NOTES.md).
 """
 import argparse
 import json

@@ -18,6 +18,8 @@ Variants (``name``: what _config is patched to):
                   their gains, FWD_STREAM_HELD_WEIGHTS)
   stream_loaded   the same with the gains off: streamed quantised rows load their weight and
                   xscale in each live row
+  chunksK         the shipped grids (one-shot or streamed by M) with K chunks a thread in 16-bit
+                  rows (CHUNKS_PER_THREAD; another per-row layout, so other bits)
 A trailing digit repeats a variant (``stream2``).  The session-6 run also measured programs
 capped at 2 and 4 per SM and __launch_bounds__ minimums of 4 and 5 blocks per SM, session 8 a
 5-block minimum for streamed quantised rows and the weight loads of a small batch's rows issued
@@ -42,12 +44,21 @@ SHAPES = {
 VARIANTS = "oneshot,oneshot_off1,stream"
 
 
+_SHIPPED = {}
+
+
 def _patch(config, variant):
     """Patches _config for ``variant`` (a trailing digit repeats a variant: ``stream2``)."""
+    for name in ("FWD_STREAM_ROWS_PER_SM", "CHUNKS_PER_THREAD"):
+        _SHIPPED.setdefault(name, getattr(config, name))
+        setattr(config, name, _SHIPPED[name])
+    config.FWD_STREAM_HELD_WEIGHTS = "_loaded" not in variant
+    if variant.startswith("chunks"):        # chunksK: K chunks a thread for 16-bit rows
+        config.CHUNKS_PER_THREAD = {**_SHIPPED["CHUNKS_PER_THREAD"], 2: int(variant[6])}
+        return
     limit = None if variant.startswith("stream") else 0
     kinds = dict.fromkeys(config.FWD_STREAM_ROWS_PER_SM["cuda"], limit)
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
-    config.FWD_STREAM_HELD_WEIGHTS = "_loaded" not in variant
 
 
 def main():
