@@ -7,9 +7,11 @@ The copy bandwidth is measured before and after.  One JSON line per (case, round
 summary per (case, impl): median, min and max of the rounds, in us and % of the first copy.
 
     PYTHONPATH=src python3 benchmarks/repeat_cases.py [--rounds 7]
-        [--cases fused:4096x4096,bwd:8192x8192,...] [--out DIR]
+        [--cases fused:4096x4096,bwd:8192x8192,...] [--chunks 3,4] [--tag _x] [--out DIR]
 
-Writes DIR (default $OUT or .)/repeat_cases.json.
+``--chunks 3,4`` times ours once per 16-bit chunk count a thread (kernels/_config.
+CHUNKS_PER_THREAD, patched and the kernels re-planned before each timing: ``ours_c3``,
+``ours_c4``) instead of beside the peers.  Writes DIR (default $OUT or .)/repeat_cases{tag}.json.
 """
 import argparse
 import json
@@ -24,9 +26,31 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cases", default=CASES, help="op:MxN,... (bfloat16)")
+    ap.add_argument("--chunks", default="", help="16-bit chunk counts to time ours at")
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
 
+    from rmsnorm_hip import backends, functional
     from rmsnorm_hip._bench import ops, runner, targets
+    from rmsnorm_hip.kernels import _config
+
+    shipped = dict(_config.CHUNKS_PER_THREAD)
+
+    def with_chunks(impl, count):
+        """impl run with ``count`` chunks a thread in 16-bit rows, re-planned for it."""
+        def call(*inputs):
+            _config.CHUNKS_PER_THREAD = {**shipped, 2: count}
+            for backend in backends._backends.values():
+                backend._plans.clear()
+                backend._bwd_plans.clear()
+            for runners in (functional._fwd_runners, functional._fused_runners,
+                            functional._bwd_runners):
+                runners.clear()
+            try:
+                return impl(*inputs)
+            finally:
+                _config.CHUNKS_PER_THREAD = dict(shipped)
+        return call
 
     target = targets.make_target("cuda")
     copy_before = target.copy_bandwidth()["gbps"]
@@ -35,7 +59,10 @@ def main():
         op, shape = case.split(":")
         m, n = runner._shape(shape)
         spec = ops.OPS[op]
-        impls = runner._implementations(spec, "cuda", True)
+        impls = runner._implementations(spec, "cuda", not args.chunks)
+        if args.chunks:
+            ours = impls.pop(next(iter(impls)))
+            impls = {f"ours_c{c}": with_chunks(ours, int(c)) for c in args.chunks.split(",")}
         inputs = spec.make_inputs(target, m, n, "bfloat16", 1000 + index)
         reference = spec.reference(target, *inputs)
         nbytes = spec.bytes_moved(m, n, target.itemsize("bfloat16"))
@@ -69,7 +96,7 @@ def main():
         target.free_memory()
     copy_after = target.copy_bandwidth()["gbps"]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "repeat_cases.json"), "w") as f:
+    with open(os.path.join(args.out, f"repeat_cases{args.tag}.json"), "w") as f:
         json.dump(dict(copy_gbps_before=copy_before, copy_gbps_after=copy_after,
                        rounds=args.rounds, environment=target.environment(), summary=summary,
                        timings=lines), f, indent=1)
