@@ -10,7 +10,7 @@ summary per (case, impl): median, min and max of the rounds, in us and % of the 
         [--cases fused:4096x4096,bwd:8192x8192,...] [--chunks 3,4] [--tag _x] [--out DIR]
 
 ``--chunks 3,4`` times ours once per 16-bit chunk count a thread (kernels/_config.
-CHUNKS_PER_THREAD, patched and the kernels re-planned before each timing: ``ours_c3``,
+CHUNKS_PER_THREAD, patched and the kernels re-planned when it changes: ``ours_c3``,
 ``ours_c4``) instead of beside the peers.  Writes DIR (default $OUT or .)/repeat_cases{tag}.json.
 """
 import argparse
@@ -30,26 +30,23 @@ def main():
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
 
-    from rmsnorm_hip import backends, functional
+    from rmsnorm_hip import functional
     from rmsnorm_hip._bench import ops, runner, targets
     from rmsnorm_hip.kernels import _config
 
     shipped = dict(_config.CHUNKS_PER_THREAD)
 
-    def with_chunks(impl, count):
-        """impl run with ``count`` chunks a thread in 16-bit rows, re-planned for it."""
-        def call(*inputs):
+    def use_chunks(count):
+        """Set 16-bit rows to ``count`` chunks a thread and re-plan, unless already set."""
+        if _config.CHUNKS_PER_THREAD[2] != count:
             _config.CHUNKS_PER_THREAD = {**shipped, 2: count}
-            for backend in backends._backends.values():
-                backend._plans.clear()
-                backend._bwd_plans.clear()
-            for runners in (functional._fwd_runners, functional._fused_runners,
-                            functional._bwd_runners):
-                runners.clear()
-            try:
-                return impl(*inputs)
-            finally:
-                _config.CHUNKS_PER_THREAD = dict(shipped)
+            functional.forget_plans()
+
+    def with_chunks(impl, count):
+        """impl run with ``count`` chunks a thread in 16-bit rows."""
+        def call(*inputs):
+            use_chunks(count)
+            return impl(*inputs)
         return call
 
     target = targets.make_target("cuda")
@@ -94,6 +91,7 @@ def main():
                                 pct_max=max(pct)))
         del inputs, reference
         target.free_memory()
+    use_chunks(shipped[2])
     copy_after = target.copy_bandwidth()["gbps"]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"repeat_cases{args.tag}.json"), "w") as f:

@@ -59,7 +59,6 @@ def main():
     import torch
 
     import rmsnorm_hip
-    from rmsnorm_hip import backends
     from rmsnorm_hip._bench import timing
     from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
     from rmsnorm_hip.kernels import _config
@@ -84,9 +83,7 @@ def main():
             name = label.rstrip("0123456789")     # a repeated setting: plain_reduce2
             for attr, value in SETTINGS[name].items():
                 setattr(_config, attr, value)
-            for backend in backends._backends.values():
-                backend._bwd_plans.clear()
-            rmsnorm_hip.functional._bwd_runners.clear()     # runners hold their plans
+            rmsnorm_hip.functional.forget_plans()     # runners hold their plans too
             call = lambda: rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dres)  # noqa
             out = call()
             if reference is None:

@@ -26,7 +26,6 @@ def main():
     import torch
 
     import rmsnorm_hip
-    from rmsnorm_hip import backends
     from rmsnorm_hip._bench import timing
     from rmsnorm_hip.kernels import _config
 
@@ -44,11 +43,9 @@ def main():
             for chunks, offset in ((int(c), float(o)) for c in args.chunks.split(",")
                                    for o in args.offsets.split(",")):
                 _config.QUANT_CHUNKS_PER_THREAD["cuda"] = {2: chunks, 4: chunks}
-                for backend in backends._backends.values():
-                    backend._plans.clear()
                 # runners hold their plans: without this every setting ran the first one's kernel
                 # (session 9's run, results/tune_h200_20261130_s9/tune_quant_chunks2.json)
-                rmsnorm_hip.functional._fused_runners.clear()
+                rmsnorm_hip.functional.forget_plans()
                 w_call = (w.float() - offset).to(torch.bfloat16) if offset else w
                 call = lambda: rmsnorm_hip.rms_norm_quant(x, w_call, 1e-6, xscale=xscale,  # noqa
                                                           quant_dtype=fmt, weight_offset=offset)

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import (BFLOAT16, DTYPES, FLOAT32, WEIGHT_COMBOS, HostIO, assert_bitwise,
                       assert_dweight, assert_dx, random_array)
-from rmsnorm_hip import _arrays, rms_norm, rms_norm_backward
+from rmsnorm_hip import _arrays, functional, rms_norm, rms_norm_backward
 from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.reference import rms_norm_backward_ref
 
@@ -85,23 +85,18 @@ def _nan_outputs(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _fresh_plans():
-    """Backward plans are memoised per call shape in the (process-wide) backend objects: a test
+    """Launch plans are memoised per call shape in the (process-wide) backend objects: a test
     that patches _config must not leave its kernels to the next test, nor find another's."""
-    from rmsnorm_hip import backends
-
-    def clear():
-        for be in list(backends._backends.values()):
-            getattr(be, "_bwd_plans", {}).clear()
-    clear()
+    functional.forget_plans()
     yield
-    clear()
+    functional.forget_plans()
 
 
-def _patch(be, monkeypatch, name, value):
-    """Patch a _config setting and drop the backend's memoised backward plans (one per call
-    shape), so that the next call builds its kernel from the patched setting."""
+def _patch(monkeypatch, name, value):
+    """Patch a _config setting and drop the memoised plans, so that the next call builds its
+    kernel from the patched setting."""
     monkeypatch.setattr(_config, name, value)
-    be._bwd_plans.clear()
+    functional.forget_plans()
 
 
 def _ran(be):
@@ -196,14 +191,14 @@ def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, d
     packed = rms_norm_backward(dy, x, w)
     assert _ran(be).prefetch
     assert_dweight(packed[1], rms_norm_backward_ref(dy, x, w, None)[1], dtype)
-    _patch(be, monkeypatch, "BWD_PREFETCH", False)
+    _patch(monkeypatch, "BWD_PREFETCH", False)
     spec = _config.bwd_spec(1024, dtype, dtype, True, True, False)
     assert spec.packed and not spec.prefetch
     unfetched = rms_norm_backward(dy, x, w)
     assert _ran(be) == spec
     assert_bitwise(packed[0], unfetched[0], "dx, prefetch vs not")
     assert_bitwise(packed[1], unfetched[1], "dweight, prefetch vs not")
-    _patch(be, monkeypatch, "BWD_PACK_16BIT" if dtype != FLOAT32 else "BWD_PACK_32BIT", False)
+    _patch(monkeypatch, "BWD_PACK_16BIT" if dtype != FLOAT32 else "BWD_PACK_32BIT", False)
     assert not _config.bwd_spec(1024, dtype, dtype, True, True, False).packed
     plain = rms_norm_backward(dy, x, w)
     assert not _ran(be).packed
@@ -229,7 +224,7 @@ def test_sim_next_rstd_gives_the_in_row_bits(rng, use_backend, monkeypatch, dtyp
     assert_dx(ahead[0], dy, x, w, rstd, ref[0], dtype)
     assert_dweight(ahead[1], ref[1], dtype)
     assert _ran(be).prefetch_rstd
-    _patch(be, monkeypatch, "BWD_PREFETCH_RSTD", False)
+    _patch(monkeypatch, "BWD_PREFETCH_RSTD", False)
     spec = _config.bwd_spec(1024, dtype, dtype, True, False, False)
     assert spec.prefetch and not spec.prefetch_rstd
     in_row = rms_norm_backward(dy, x, w, rstd)
@@ -253,7 +248,7 @@ def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, 
     assert_dx(early[0], dy, x, w, rms_norm(x, w, return_rstd=True)[1], ref[0], dtype)
     assert_dweight(early[1], ref[1], dtype)
     assert _ran(be).early_dres
-    _patch(be, monkeypatch, "BWD_EARLY_DRESIDUAL", False)
+    _patch(monkeypatch, "BWD_EARLY_DRESIDUAL", False)
     assert not _config.bwd_spec(1024, dtype, dtype, True, not given_rstd, True).early_dres
     late = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
     assert not _ran(be).early_dres

@@ -22,6 +22,18 @@ _MAX_RUNNERS = 4096
 _INF = math.inf
 
 
+def forget_plans():
+    """Drop every memoised launch plan and repeat-call runner (compiled kernels stay cached), so
+    that the next call chooses its kernel from kernels/_config as it is now: for tuning scripts
+    and tests that patch the config in a running process."""
+    for runners in (_fwd_runners, _bwd_runners, _fused_runners):
+        runners.clear()
+    for backend in list(backends._backends.values()):
+        forget = getattr(backend, "forget_plans", None)
+        if forget is not None:
+            forget()
+
+
 def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rstd=False,
              dtype=None):
     """Root-mean-square normalisation over the last dimension.

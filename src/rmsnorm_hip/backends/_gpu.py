@@ -20,6 +20,12 @@ class GpuBackend:
         self._plans = {}
         self._bwd_plans = {}
 
+    def forget_plans(self):
+        """Drop the launch plans memoised per call shape (the compiled kernels stay cached):
+        the next call re-plans from kernels/_config."""
+        self._plans.clear()
+        self._bwd_plans.clear()
+
     @property
     def cache_key(self):
         return (self.name, self.arch, self.device_index)
