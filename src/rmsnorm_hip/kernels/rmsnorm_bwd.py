@@ -153,6 +153,18 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 zero[0] = int32(m >> 62)
             gpu.syncthreads()
         ws_start = (program * rows + ty) * n
+        parity = 0
+        r_next = float32(0.0)
+        # the first row's words are asked for before the weight: every program loads the same
+        # weight lines at once, and issued first they held up the loads the first row waits on.
+        # H200, bf16, kernel 1 (us), weight first / row first: 8192x8192 104.9-105.1 /
+        # 104.3-104.5, 4096x4096 30.1-30.8 / 29.4-30.3, 1024x8192 18.7-18.8 / 18.4, 16384x8192
+        # 201.8-201.9 / 201.5 (results/tune_h200_20261130_s11/tune_bwd_rows_first.json)
+        if prefetch:
+            first = program * rows + ty
+            load_row_words(x, dy, first, m, x_stride, dy_stride, tx, xw, dw)
+            if next_rstd and first < m:
+                r_next = rstd[first]
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if cached:
@@ -169,13 +181,6 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         # looped layouts walk many chunks: a trip count the compiler cannot see (m >> 63 is 0)
         # keeps those loops rolled; unrolled, their loads spill (seen on gfx942 at N=65536)
         trips = per_thread if cached else per_thread + (m >> 63)
-        parity = 0
-        r_next = float32(0.0)
-        if prefetch:
-            first = program * rows + ty
-            load_row_words(x, dy, first, m, x_stride, dy_stride, tx, xw, dw)
-            if next_rstd and first < m:
-                r_next = rstd[first]
         for it in range(iters):
             row = (program + it * programs) * rows + ty
             live = row < m
