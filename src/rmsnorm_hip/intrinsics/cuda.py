@@ -1,8 +1,9 @@
 """numba-cuda intrinsics (NVIDIA): 32-lane warps, ``shfl_xor_sync``.
 
 128-bit accesses stay plain LLVM loads/stores: the same accesses written as inline PTX with cache
-hints (ld.global.nc, .L2::256B, st.global.cs) measured 3-15 points slower on the H200 at every LLM
-shape (benchmarks/NOTES.md), since inline asm cannot be scheduled across.
+hints measured slower on the H200 (benchmarks/NOTES.md): ld.global.nc with .L2::256B and
+st.global.cs 3-15 points at every LLM shape; ld.global.cs, or an L2 evict-first cache policy, on
+every load 8-17 points at the large shapes for 1-4 at the small backward ones.
 """
 from types import SimpleNamespace
 
