@@ -5,11 +5,14 @@ suffix (``prefetch,no_prefetch,prefetch2``) to see the run-to-run spread.  Print
 per (shape, setting) and writes them to --out (default $OUT or .)/tune_bwd.json.
 
     PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings prefetch,no_prefetch] [--dres]
-        [--shapes 4096x4096,...] [--flush write|read] [--tag _suffix]
+        [--shapes 4096x4096,...] [--flush write|read] [--no-weight] [--tag _suffix]
 
 Session 10 also ran ``tail`` / ``two_kernel`` (branch exp/tail-reduce) and ``p_fit`` /
 ``p_balanced`` / ``p_128max`` (the grid's programs: as many as fit, the fewest that keep the
 most row blocks a program takes, at most 128), with knobs since removed (benchmarks/NOTES.md).
+Session 11 ran ``paired`` / ``unpaired`` and the timing-only ablations ``full`` / ``no_ws_store`` /
+``no_weight_load`` / ``rows_first`` (branch exp/paired-rows); ``--no-weight`` times dx alone (what
+the dweight costs a call).
 """
 import argparse
 import json
@@ -50,6 +53,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--settings", default="prefetch,no_prefetch")
     ap.add_argument("--dres", action="store_true", help="time the dresidual form")
+    ap.add_argument("--no-weight", action="store_true",
+                    help="weight=None: dx only (no weight loads, partial rows or reduction)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     ap.add_argument("--shapes", default="", help="MxN,... (default: SHAPES)")
     ap.add_argument("--flush", default="write", help="L2 flush: write (the benchmark's) or read")
@@ -77,6 +82,7 @@ def main():
         dres = torch.randn_like(x) if args.dres else None
         w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
         rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
+        w = None if args.no_weight else w
         nbytes = (4 if args.dres else 3) * m * n * size + 2 * n * size
         reference = None
         for label in args.settings.split(","):
@@ -88,7 +94,7 @@ def main():
             out = call()
             if reference is None:
                 reference = out
-            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            same = all(a is b or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                        for a, b in zip(out, reference))
             timing.cuda_device_time(call, flush)     # discarded, as the benchmark's warm-up
             timing_ = timing.cuda_device_time(call, flush)
@@ -100,10 +106,11 @@ def main():
         del x, dy, dres
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    name = (f"tune_bwd{'_dres' if args.dres else ''}"
+    name = (f"tune_bwd{'_dres' if args.dres else ''}{'_noweight' if args.no_weight else ''}"
             f"{'' if args.dtype == 'bfloat16' else '_' + args.dtype}{args.tag}.json")
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(dict(copy_gbps=copy, dres=args.dres, dtype=args.dtype, flush=args.flush,
+                       weight=not args.no_weight,
                        rows=rows), f, indent=1)
 
 
