@@ -36,6 +36,9 @@ SETTINGS = {
     # the forward's rstd of the next row loaded with its words, or in the row's own pass
     "rstd_next": {"BWD_PREFETCH_RSTD": True},
     "rstd_late": {"BWD_PREFETCH_RSTD": False},
+    # the warps' partials of a row read 4 at a time (aligned shared buffer) or one at a time
+    "vector_red": {"VECTOR_REDUCE_READS": True},
+    "scalar_red": {"VECTOR_REDUCE_READS": False},
     # the dweight reduction: row groups per block x loads batched per thread
     "reduce_g8_b4": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 4},
     "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},
@@ -66,6 +69,7 @@ def main():
     import rmsnorm_hip
     from rmsnorm_hip._bench import timing
     from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
+    from rmsnorm_hip import _cache
     from rmsnorm_hip.kernels import _config
 
     copy = timing.cuda_copy_bandwidth()["gbps"]
@@ -90,6 +94,7 @@ def main():
             for attr, value in SETTINGS[name].items():
                 setattr(_config, attr, value)
             rmsnorm_hip.functional.forget_plans()     # runners hold their plans too
+            _cache._kernels.clear()     # settings outside the specs (VECTOR_REDUCE_READS)
             call = lambda: rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dres)  # noqa
             out = call()
             if reference is None:

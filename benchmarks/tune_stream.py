@@ -18,6 +18,9 @@ Variants (``name``: what _config is patched to):
                   their gains, FWD_STREAM_HELD_WEIGHTS)
   stream_loaded   the same with the gains off: streamed quantised rows load their weight and
                   xscale in each live row
+  shipped         the shipped grids and settings
+  scalar_red      the shipped grids, a row's warp partials read one float at a time from shared
+                  memory (VECTOR_REDUCE_READS off; on, they are read 4 at a time: same bits)
   chunksK         the shipped grids (one-shot or streamed by M) with K chunks a thread in 16-bit
                   rows (CHUNKS_PER_THREAD; another per-row layout, so other bits)
 A trailing digit repeats a variant (``stream2``).  The session-6 run also measured programs
@@ -53,6 +56,15 @@ def _patch(config, variant):
         _SHIPPED.setdefault(name, getattr(config, name))
         setattr(config, name, _SHIPPED[name])
     config.FWD_STREAM_HELD_WEIGHTS = "_loaded" not in variant
+    _SHIPPED.setdefault("VECTOR_REDUCE_READS", config.VECTOR_REDUCE_READS)
+    config.VECTOR_REDUCE_READS = _SHIPPED["VECTOR_REDUCE_READS"]
+    from rmsnorm_hip import _cache
+    _cache._kernels.clear()     # VECTOR_REDUCE_READS is not in the specs: rebuild every kernel
+    if variant.startswith("shipped"):
+        return
+    if variant.startswith("scalar_red"):
+        config.VECTOR_REDUCE_READS = False
+        return
     if variant.startswith("chunks"):        # chunksK: K chunks a thread for 16-bit rows
         config.CHUNKS_PER_THREAD = {**_SHIPPED["CHUNKS_PER_THREAD"], 2: int(variant[6])}
         return

@@ -10,6 +10,8 @@ Names every GPU namespace provides
                                   ``local.array``, ``syncthreads`` (numba.cuda / numba.hip / a
                                   simulator proxy)
 ``jitable``                       decorator for device helpers shared by every backend
+``shared_alignment``              the byte alignment ``gpu.shared.array`` can be asked for (16),
+                                  or None where it takes none (numba-hip 0.2.1: the element's)
 ``f32_as_u32``, ``u32_as_f32``     bit casts
 ``bf16_to_f32``, ``f32_to_bf16``,  16-bit float codecs on ``uint16`` bits, round-to-nearest-even,
 ``f16_to_f32``, ``f32_to_f16``     NaN kept NaN

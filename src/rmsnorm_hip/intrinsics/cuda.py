@@ -48,5 +48,6 @@ def build():
         return pack_e4m3x2(value, float32(0.0)) & uint32(0xFF)
 
     shared.update(quant, f32_to_e4m3=f32_to_e4m3)
-    return SimpleNamespace(name="cuda", warp=WARP, gpu=cuda, jitable=register_jitable,
+    return SimpleNamespace(name="cuda", warp=WARP, shared_alignment=16,
+                           gpu=cuda, jitable=register_jitable,
                            **compiled, **shared)

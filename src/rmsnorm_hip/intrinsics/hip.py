@@ -45,5 +45,6 @@ def build():
     # even, f16 denormals kept by the default float mode).  The integer form's branches keep LLVM
     # from unrolling the chunk loop, and the row cache then lives in scratch memory.
     shared.update(_llvm.define_hw_f16(intrinsic))
-    return SimpleNamespace(name="hip", warp=WARP, gpu=hip, jitable=register_jitable,
+    return SimpleNamespace(name="hip", warp=WARP, shared_alignment=None,
+                           gpu=hip, jitable=register_jitable,
                            **compiled, **shared)

@@ -156,7 +156,8 @@ def _make_shfl_xor(warp):
 def build(warp):
     _poison_shared_memory()
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
-    return SimpleNamespace(name="sim", warp=warp, gpu=_SimGpu(), jitable=_identity,
+    return SimpleNamespace(name="sim", warp=warp, shared_alignment=16,
+                           gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
                            max_abs=max_abs, max_abs_nan=max_abs_nan,
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,

@@ -10,6 +10,7 @@ same and a row gives bitwise the same result whichever form ran.
 from numba import float32, int8, int32, uint8, uint16, uint32
 
 from .. import _dtypes
+from . import _config
 from ._config import CHUNK_BYTES, ceil_div
 
 
@@ -149,6 +150,24 @@ def make_chunk_sumsq(intr, chunk):
         return chunk_dot(vals, slot, vals, slot)
 
     return chunk_sumsq
+
+
+def reduce_buffer_shape(intr, bufs, rows, threads):
+    """Shape of the block's shared float32 ``red[bufs, rows, width]`` through which the warps of
+    a row combine (make_row_sum, make_row_sum_max), to be allocated aligned to
+    ``reduce_alignment(intr)`` where that is not None.  After the barrier every thread reads its
+    row's warp partials in warp order: with rows of a multiple of 4 floats, 16-byte aligned, the
+    compiler reads them 4 at a time (a 1024-thread row: 8 ld.shared.v4 a thread instead of 32
+    ld.shared.f32, each of which holds the SM's shared-memory pipe a cycle per warp).  The same
+    additions in the same order: the same bits."""
+    warps = ceil_div(threads, intr.warp)
+    pad = warps > 1 and reduce_alignment(intr)
+    return (bufs, rows, 4 * ceil_div(warps, 4) if pad else warps)
+
+
+def reduce_alignment(intr):
+    """The byte alignment to ask for ``red`` (None: its element's; _config.VECTOR_REDUCE_READS)."""
+    return intr.shared_alignment if _config.VECTOR_REDUCE_READS else None
 
 
 def make_row_sum(intr, threads):

@@ -20,7 +20,8 @@ from numba import float32, int32, int64, types, uint32
 
 from .. import _dtypes
 from ._config import BwdSpec, ReduceSpec
-from ._rowops import ChunkIO, codec, make_chunk_dot, make_chunk_sumsq, make_row_sum
+from ._rowops import (ChunkIO, codec, make_chunk_dot, make_chunk_sumsq, make_row_sum,
+                      reduce_alignment, reduce_buffer_shape)
 
 
 def _pointer(dtype):
@@ -69,7 +70,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     dres_words = words if early_dres else 1
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
-    row_sum, warps_per_row = make_row_sum(intr, threads)
+    row_sum, _ = make_row_sum(intr, threads)
+    red_shape, red_align = reduce_buffer_shape(intr, 2, rows, threads), reduce_alignment(intr)
     n_f32 = float32(n)
     # cached vector layouts write their partial dweight rows to the workspace (float32,
     # allocated here: rows 16-byte aligned when n % 4 == 0) in 128-bit stores.  As scalar
@@ -129,7 +131,10 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         ty = gpu.threadIdx.y
         program = int64(gpu.blockIdx.x)
         programs = int64(gpu.gridDim.x)
-        red = gpu.shared.array((2, rows, warps_per_row), float32)
+        if red_align:   # a constant: the other branch is pruned before typing (numba-hip)
+            red = gpu.shared.array(red_shape, float32, alignment=red_align)
+        else:
+            red = gpu.shared.array(red_shape, float32)
         xv = gpu.local.array(chunk if packed else span, float32)
         dv = gpu.local.array(chunk if packed else span, float32)
         wv = gpu.local.array(span, float32)    # weight: loaded once per program when cached
