@@ -12,7 +12,9 @@ Session 10 also ran ``tail`` / ``two_kernel`` (branch exp/tail-reduce) and ``p_f
 most row blocks a program takes, at most 128), with knobs since removed (benchmarks/NOTES.md).
 Session 11 ran ``paired`` / ``unpaired`` and the timing-only ablations ``full`` / ``no_ws_store`` /
 ``no_weight_load`` / ``rows_first`` (branch exp/paired-rows); ``--no-weight`` times dx alone (what
-the dweight costs a call).
+the dweight costs a call).  Session 12 ran ``shallow`` / ``deep`` (one or two rows of words ahead,
+branch exp/deep-prefetch) and ``vector_red`` / ``scalar_red`` (a row's warp partials read 4 at a
+time or one at a time, with a knob since removed and the kernel cache cleared per setting).
 """
 import argparse
 import json
@@ -36,9 +38,6 @@ SETTINGS = {
     # the forward's rstd of the next row loaded with its words, or in the row's own pass
     "rstd_next": {"BWD_PREFETCH_RSTD": True},
     "rstd_late": {"BWD_PREFETCH_RSTD": False},
-    # the warps' partials of a row read 4 at a time (aligned shared buffer) or one at a time
-    "vector_red": {"VECTOR_REDUCE_READS": True},
-    "scalar_red": {"VECTOR_REDUCE_READS": False},
     # the dweight reduction: row groups per block x loads batched per thread
     "reduce_g8_b4": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 4},
     "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},
@@ -69,7 +68,6 @@ def main():
     import rmsnorm_hip
     from rmsnorm_hip._bench import timing
     from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
-    from rmsnorm_hip import _cache
     from rmsnorm_hip.kernels import _config
 
     copy = timing.cuda_copy_bandwidth()["gbps"]
@@ -94,7 +92,6 @@ def main():
             for attr, value in SETTINGS[name].items():
                 setattr(_config, attr, value)
             rmsnorm_hip.functional.forget_plans()     # runners hold their plans too
-            _cache._kernels.clear()     # settings outside the specs (VECTOR_REDUCE_READS)
             call = lambda: rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dres)  # noqa
             out = call()
             if reference is None:

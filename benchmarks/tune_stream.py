@@ -19,8 +19,6 @@ Variants (``name``: what _config is patched to):
   stream_loaded   the same with the gains off: streamed quantised rows load their weight and
                   xscale in each live row
   shipped         the shipped grids and settings
-  scalar_red      the shipped grids, a row's warp partials read one float at a time from shared
-                  memory (VECTOR_REDUCE_READS off; on, they are read 4 at a time: same bits)
   chunksK         the shipped grids (one-shot or streamed by M) with K chunks a thread in 16-bit
                   rows (CHUNKS_PER_THREAD; another per-row layout, so other bits)
 A trailing digit repeats a variant (``stream2``).  The session-6 run also measured programs
@@ -28,8 +26,9 @@ capped at 2 and 4 per SM and __launch_bounds__ minimums of 4 and 5 blocks per SM
 5-block minimum for streamed quantised rows and the weight loads of a small batch's rows issued
 unbranched (``stream_early``; in the session-9 run, before that knob was removed,
 ``stream_loaded`` had them up to 64 rows per SM and ``stream_loaded_late`` never), session 10
-streamed quantised rows capped at 2 and 3 programs per SM (``stream_cap2``, ``stream_cap3``);
-knobs since removed, benchmarks/NOTES.md.
+streamed quantised rows capped at 2 and 3 programs per SM (``stream_cap2``, ``stream_cap3``),
+session 12 ``scalar_red`` against ``shipped`` (a row's warp partials read one float at a time
+from shared memory, against 4 at a time); knobs since removed, benchmarks/NOTES.md.
 """
 import argparse
 import json
@@ -56,14 +55,7 @@ def _patch(config, variant):
         _SHIPPED.setdefault(name, getattr(config, name))
         setattr(config, name, _SHIPPED[name])
     config.FWD_STREAM_HELD_WEIGHTS = "_loaded" not in variant
-    _SHIPPED.setdefault("VECTOR_REDUCE_READS", config.VECTOR_REDUCE_READS)
-    config.VECTOR_REDUCE_READS = _SHIPPED["VECTOR_REDUCE_READS"]
-    from rmsnorm_hip import _cache
-    _cache._kernels.clear()     # VECTOR_REDUCE_READS is not in the specs: rebuild every kernel
     if variant.startswith("shipped"):
-        return
-    if variant.startswith("scalar_red"):
-        config.VECTOR_REDUCE_READS = False
         return
     if variant.startswith("chunks"):        # chunksK: K chunks a thread for 16-bit rows
         config.CHUNKS_PER_THREAD = {**_SHIPPED["CHUNKS_PER_THREAD"], 2: int(variant[6])}

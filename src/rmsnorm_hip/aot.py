@@ -161,6 +161,8 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             ld_global_v4=len(re.findall(r"\bld\.global(?:\.\w+)*\.v4\.", ptx)),
             st_global_v4=len(re.findall(r"\bst\.global(?:\.\w+)*\.v4\.", ptx)),
             st_global_byte=len(re.findall(r"\bst\.global(?:\.\w+)*\.[usb]8\b", ptx)),
+            ld_shared_f32=len(re.findall(r"\bld\.shared\.f32\b", ptx)),
+            ld_shared_v4=len(re.findall(r"\bld\.shared\.v4\.f32\b", ptx)),
             local_depot="__local_depot" in ptx,
             shared_bytes=sum(int(n) for n in re.findall(
                 r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
@@ -184,24 +186,38 @@ def _ptxas():
 
 def _ptxas_resources(ptx, arch):
     """Registers, spills and stack of the PTX assembled by ptxas for ``arch`` (what the driver's
-    JIT does when the kernel is loaded), or {} when no ptxas is installed."""
+    JIT does when the kernel is loaded), or {} when no ptxas is installed.  A ptxas older than
+    the NVVM that wrote the PTX refuses its ``.version``: the PTX is then assembled as the newest
+    version that ptxas takes (``ptx_version_as``), which our kernels' instructions all predate,
+    rather than leaving the register and spill gates unchecked."""
     ptxas = _ptxas()
     if ptxas is None:
         return {}
+    done, text = _run_ptxas(ptxas, arch, ptx)
+    record = {}
+    refused = re.search(r"Unsupported \.version \d+\.\d+; current version is '(\d+\.\d+)'", text)
+    if done.returncode and refused:
+        ptx = re.sub(r"^\.version \d+\.\d+", f".version {refused.group(1)}", ptx, count=1,
+                     flags=re.M)
+        record["ptx_version_as"] = refused.group(1)
+        done, text = _run_ptxas(ptxas, arch, ptx)
+    if done.returncode:
+        return {"ptxas_error": text.strip()[-500:]}
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
+    return dict(record, registers=number(r"Used (\d+) registers"),
+                stack_frame_bytes=number(r"(\d+) bytes stack frame"),
+                spill_store_bytes=number(r"(\d+) bytes spill stores"),
+                spill_load_bytes=number(r"(\d+) bytes spill loads"))
+
+
+def _run_ptxas(ptxas, arch, ptx):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         done = subprocess.run([ptxas, f"-arch={arch}", "-v", "-o", os.devnull, path],
                               capture_output=True, text=True)
-    text = done.stdout + done.stderr
-    if done.returncode:
-        return {"ptxas_error": text.strip()[-500:]}
-    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
-    return dict(registers=number(r"Used (\d+) registers"),
-                stack_frame_bytes=number(r"(\d+) bytes stack frame"),
-                spill_store_bytes=number(r"(\d+) bytes spill stores"),
-                spill_load_bytes=number(r"(\d+) bytes spill loads"))
+    return done, done.stdout + done.stderr
 
 
 def problems(record, target):
@@ -230,6 +246,8 @@ def problems(record, target):
         if record["elf_machine"] != _EM_AMDGPU or (expected and record["elf_mach"] != expected):
             out.append(f"not a {record['arch']} code object")
     else:
+        if record.get("ptxas_error"):
+            out.append("ptxas refused the PTX")
         if record["local_depot"]:
             out.append("local memory depot")
         if record.get("spill_store_bytes") or record.get("spill_load_bytes"):
@@ -239,6 +257,11 @@ def problems(record, target):
             out.append("vector path without ld/st.global.v4")
         if record.get("vector") and record.get("st_global_byte"):
             out.append("vector path stores bytes one by one")
+        if (record["op"] != "bwd_reduce" and record.get("ld_shared_f32", 0) >= 4
+                and not record.get("ld_shared_v4")):
+            # rows of 4 warps or more read their warps' partials 4 at a time
+            # (kernels/_rowops.reduce_buffer_shape): the buffer lost its alignment
+            out.append("row reduction reads shared memory one float at a time")
     return out
 
 

@@ -27,9 +27,6 @@ CHUNKS_PER_THREAD = {2: 3, 4: 4}
 # the trade would pay.  The simulator runs the NVIDIA layouts.
 QUANT_CHUNKS_PER_THREAD = {"cuda": {2: 4, 4: 4}, "hip": {2: 2, 4: 4}}
 MAX_CACHED_FLOATS = 32      # row values a thread keeps in registers between the two passes
-# the warps' partial sums of a row read back 4 at a time from a 16-byte aligned shared buffer
-# (kernels/_rowops.reduce_buffer_shape; same bits).  See benchmarks/NOTES.md, session 12
-VECTOR_REDUCE_READS = True
 # threads per block when a row needs fewer (several rows per block); >= 64 so AMD wavefronts
 # are full.  128 and 512 tied within 1 point at every shape on the H200 sweep.
 BLOCK_THREADS = 128

@@ -10,7 +10,6 @@ same and a row gives bitwise the same result whichever form ran.
 from numba import float32, int8, int32, uint8, uint16, uint32
 
 from .. import _dtypes
-from . import _config
 from ._config import CHUNK_BYTES, ceil_div
 
 
@@ -166,19 +165,19 @@ def reduce_buffer_shape(intr, bufs, rows, threads):
 
 
 def reduce_alignment(intr):
-    """The byte alignment to ask for ``red`` (None: its element's; _config.VECTOR_REDUCE_READS)."""
-    return intr.shared_alignment if _config.VECTOR_REDUCE_READS else None
+    """The byte alignment to ask for ``red`` (None: its element's).  H200, 4 at a time / one at
+    a time, two runs each (results/tune_h200_20261130_s12/*_vred.json; benchmarks/NOTES.md
+    session 12): level at most shapes, ahead at a few (backward 2048x8192 70.3-70.6 / 67.8-68.1%
+    of copy, dresidual 4096x4096 80.0-80.6 / 78.5-79.3, fused add 4096x4096 89.1-91.1 /
+    87.5-87.8), the same bits everywhere."""
+    return intr.shared_alignment
 
 
 def make_row_sum(intr, threads):
     """Sum a float32 over the ``threads`` threads of a row (threadIdx.x), every thread gets it.
     Lanes of a warp combine by xor-butterfly, warps of a row through ``red[buf, row_in_block, :]``
     (``buf`` alternates between consecutive reductions of a block, so one barrier each suffices)."""
-    @intr.jitable
-    def add(a, b):
-        return a + b
-
-    return _make_row_reduce(intr, threads, intr.warp_sum, add)
+    return _make_row_reduce(intr, threads, intr.warp_sum, _add(intr))
 
 
 def make_row_sum_max(intr, threads):
@@ -188,7 +187,9 @@ def make_row_sum_max(intr, threads):
     warp = intr.warp
     lanes = min(threads, warp)
     warps_per_row = ceil_div(threads, warp)
-    gpu, warp_sum, warp_max, max_nan = intr.gpu, intr.warp_sum, intr.warp_max, intr.max_nan
+    gpu, warp_sum, warp_max = intr.gpu, intr.warp_sum, intr.warp_max
+    fold_sum = _make_fold(intr, warps_per_row, _add(intr))
+    fold_max = _make_fold(intr, warps_per_row, intr.max_nan)
 
     @intr.jitable
     def row_sum_max(s, mx, red, buf, ty, tx):
@@ -199,14 +200,44 @@ def make_row_sum_max(intr, threads):
                 red[buf, ty, tx // warp] = s
                 red[buf + 1, ty, tx // warp] = mx
             gpu.syncthreads()
-            s = red[buf, ty, 0]
-            mx = red[buf + 1, ty, 0]
-            for i in range(1, warps_per_row):
-                s = s + red[buf, ty, i]
-                mx = max_nan(mx, red[buf + 1, ty, i])
+            s = fold_sum(red, buf, ty)
+            mx = fold_max(red, buf + 1, ty)
         return s, mx
 
     return row_sum_max
+
+
+def _add(intr):
+    @intr.jitable
+    def add(a, b):
+        return a + b
+
+    return add
+
+
+def _make_fold(intr, warps, combine):
+    """``fold(red, b, ty)``: ``combine`` over ``red[b, ty, 0 .. warps - 1]`` in warp order, the
+    partials read 4 at a time before they are combined, so that each 4 are one ld.shared.v4 on a
+    16-byte aligned buffer (reduce_buffer_shape) even where the loop stays rolled."""
+    quads = warps // 4
+    tail = 4 * quads if quads else 1
+
+    @intr.jitable
+    def fold(red, b, ty):
+        if quads:
+            a0, a1, a2, a3 = red[b, ty, 0], red[b, ty, 1], red[b, ty, 2], red[b, ty, 3]
+            value = combine(combine(combine(a0, a1), a2), a3)
+            for q in range(1, quads):
+                a0, a1 = red[b, ty, 4 * q], red[b, ty, 4 * q + 1]
+                a2, a3 = red[b, ty, 4 * q + 2], red[b, ty, 4 * q + 3]
+                value = combine(combine(combine(combine(value, a0), a1), a2), a3)
+        else:
+            value = red[b, ty, 0]
+        for i in range(tail, warps):
+            value = combine(value, red[b, ty, i])
+        return value
+
+    return fold
 
 
 def _make_row_reduce(intr, threads, warp_reduce, combine):
@@ -216,6 +247,7 @@ def _make_row_reduce(intr, threads, warp_reduce, combine):
     lanes = min(threads, warp)
     warps_per_row = ceil_div(threads, warp)
     gpu = intr.gpu
+    fold = _make_fold(intr, warps_per_row, combine)
 
     @intr.jitable
     def row_reduce(value, red, buf, ty, tx):
@@ -224,9 +256,7 @@ def _make_row_reduce(intr, threads, warp_reduce, combine):
             if tx % warp == 0:
                 red[buf, ty, tx // warp] = value
             gpu.syncthreads()
-            value = red[buf, ty, 0]
-            for i in range(1, warps_per_row):
-                value = combine(value, red[buf, ty, i])
+            value = fold(red, buf, ty)
         return value
 
     return row_reduce, warps_per_row
