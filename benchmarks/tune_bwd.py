@@ -14,7 +14,9 @@ Session 11 ran ``paired`` / ``unpaired`` and the timing-only ablations ``full`` 
 ``no_weight_load`` / ``rows_first`` (branch exp/paired-rows); ``--no-weight`` times dx alone (what
 the dweight costs a call).  Session 12 ran ``shallow`` / ``deep`` (one or two rows of words ahead,
 branch exp/deep-prefetch) and ``vector_red`` / ``scalar_red`` (a row's warp partials read 4 at a
-time or one at a time, with a knob since removed and the kernel cache cleared per setting).
+time or one at a time, with a knob since removed and the kernel cache cleared per setting), and ``before_fix`` /
+``cache_wide`` / ``cache_narrow`` on 1024-thread rows of 2 chunks (float32 N = 8192, 16-bit
+N = 16384: loads ahead of the reduction or not, cached or looped).
 """
 import argparse
 import json
@@ -38,6 +40,12 @@ SETTINGS = {
     # the forward's rstd of the next row loaded with its words, or in the row's own pass
     "rstd_next": {"BWD_PREFETCH_RSTD": True},
     "rstd_late": {"BWD_PREFETCH_RSTD": False},
+    # rows cached in registers up to 16 / 8 floats per array and thread (16-bit N = 16384: 2
+    # chunks of 8 a thread at 16, looped at 8), the prefetch by threads of 1 chunk only; and the
+    # form before session 12 (cached at 16, the prefetch by threads of 2 chunks as well)
+    "cache_wide": {"BWD_MAX_CACHED_FLOATS": 16, "BWD_PREFETCH_MAX_CHUNKS": 1},
+    "cache_narrow": {"BWD_MAX_CACHED_FLOATS": 8, "BWD_PREFETCH_MAX_CHUNKS": 1},
+    "before_fix": {"BWD_MAX_CACHED_FLOATS": 16, "BWD_PREFETCH_MAX_CHUNKS": 2},
     # the dweight reduction: row groups per block x loads batched per thread
     "reduce_g8_b4": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 4},
     "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},

@@ -1,5 +1,7 @@
 """rms_norm_backward against the float64 reference (API.md's dx/dweight contract), on the CPU
 backend over the full matrix and on the simulator over every GPU kernel path."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -204,6 +206,54 @@ def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, d
     assert not _ran(be).packed
     assert_bitwise(packed[0], plain[0], "dx")
     assert_bitwise(packed[1], plain[1], "dweight")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,weight", [
+    ("bfloat16", "bfloat16"), ("float32", "float32"), ("float16", "float32")])
+def test_sim_weight_loaded_per_chunk_gives_the_held_bits(rng, use_backend, monkeypatch, dtype,
+                                                         weight):
+    """Cached rows that load their weight with each chunk (BwdSpec.hold_weight False: the
+    unpacked 1024-thread dresidual rows) run the same float32 operations as rows holding it;
+    with and without dresidual, through several rows a program (7 rows, 2 programs)."""
+    be = use_backend("sim")
+    # rows one element off 16 bytes: the scalar (unpacked) kernel, the only one that may load
+    # its weight per chunk (packed rows always hold it)
+    x, dy, dres = (np.concatenate([a, a[:, :1]], axis=1)[:, 1:]
+                   for a in (random_array(rng, (7, 1024), dtype) for _ in range(3)))
+    w = random_array(rng, (1024,), weight, loc=1.0, scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True)[1]
+    for dresidual in (dres, None):
+        held = rms_norm_backward(dy, x, w, rstd, dresidual=dresidual)
+        assert _ran(be).hold_weight and not _ran(be).vector
+        real = _config.bwd_spec
+        monkeypatch.setattr(_config, "bwd_spec", lambda *a: dataclasses.replace(
+            real(*a), hold_weight=False))
+        functional.forget_plans()
+        loaded = rms_norm_backward(dy, x, w, rstd, dresidual=dresidual)
+        assert not _ran(be).hold_weight
+        assert_bitwise(held[0], loaded[0], "dx, weight held vs loaded per chunk")
+        assert_bitwise(held[1], loaded[1], "dweight, weight held vs loaded per chunk")
+        ref = rms_norm_backward_ref(dy, x, w, rstd, dresidual=dresidual)
+        assert_dweight(loaded[1], ref[1], weight)
+        monkeypatch.setattr(_config, "bwd_spec", real)
+        functional.forget_plans()
+
+
+def test_loads_ahead_and_held_weight_only_where_they_fit():
+    """The next row's words and dresidual's are loaded ahead of a row's reduction only by threads
+    owning one chunk; unpacked 1024-thread dresidual rows load their weight per chunk (what ptxas
+    fits in the 64 registers of a 1024-thread block)."""
+    for dtype, n, chunks in (("bfloat16", 8192, 1), ("float32", 4096, 1), ("float32", 8192, 2),
+                             ("bfloat16", 16384, 2)):
+        for dres in (False, True):
+            packed = _config.bwd_spec(n, dtype, dtype, True, False, dres)
+            assert packed.layout.chunks_per_thread == chunks and packed.packed
+            assert packed.prefetch == (chunks == 1)
+            assert packed.early_dres == (dres and chunks == 1)
+            assert packed.hold_weight
+            scalar = _config.bwd_spec(n, dtype, dtype, False, False, dres)
+            assert scalar.hold_weight == (not dres or scalar.layout.threads < 1024)
 
 
 @pytest.mark.sim

@@ -219,6 +219,14 @@ BWD_PACK_32BIT = True
 # packed rows load the next row's words before reducing this one (two rows of loads in flight
 # per thread); see benchmarks/NOTES.md for the measurement
 BWD_PREFETCH = True
+# loads ahead of a row's reduction (the next row's words, dresidual's) only where a thread owns
+# at most this many chunks of the row: with two (float32 N = 8192, 16-bit N = 16384: 1024
+# threads) they do not fit the 64 registers of a 1024-thread block (ptxas 13.0: 8-132 B spilled
+# with them).  H200, us, with them / without (results/tune_h200_20261130_s12/tune_bwd_n16384
+# .json, tune_bwd_float32_n8192.json, two runs each): bf16 4096x16384 170.5, 170.1 / 131.0,
+# 131.5; 1024x16384 54.2, 55.4 / 44.5, 44.4; float32 4096x8192 127.5, 127.2 / 106.3, 105.9;
+# 1024x8192 38.8, 38.0 / 34.4, 34.1; bf16 dresidual 4096x16384 197.9 / 195.7
+BWD_PREFETCH_MAX_CHUNKS = 1
 # packed dresidual rows load dresidual with x and dy, before the row's reduction
 BWD_EARLY_DRESIDUAL = True
 # prefetching rows (rstd given, no dresidual) load the next row's rstd with its words.  H200,
@@ -253,6 +261,7 @@ class BwdSpec:
     prefetch: bool = False  # packed rows: the next row's words loaded before this row's reduction
     early_dres: bool = False    # packed rows: dresidual's words loaded before the reduction too
     prefetch_rstd: bool = False     # prefetching rows: the next row's rstd loaded with its words
+    hold_weight: bool = True        # cached rows: the weight's floats held for the whole program
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
@@ -262,13 +271,18 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
     # with rstd recomputed and dresidual too, the prefetch words take the kernel past 64
     # registers (4 B spilled, ptxas 13.5, N = 4096 bf16 with weight): that pair goes without
     both = recompute_rstd and dresidual
-    prefetch = packed and BWD_PREFETCH and not both
+    ahead = layout.chunks_per_thread <= BWD_PREFETCH_MAX_CHUNKS
+    prefetch = packed and BWD_PREFETCH and not both and ahead
+    # unpacked (scalar-access) 1024-thread rows hold x and dy as floats: with dresidual and the
+    # weight held too they spilled 8-28 B (ptxas 13.0, N = 8192); they load it with each chunk
+    hold_weight = packed or not (dresidual and layout.threads >= 1024)
     return BwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
                    packed=packed, prefetch=prefetch,
-                   early_dres=packed and dresidual and BWD_EARLY_DRESIDUAL,
+                   early_dres=packed and dresidual and BWD_EARLY_DRESIDUAL and ahead,
                    prefetch_rstd=(prefetch and not recompute_rstd and not dresidual
-                                  and BWD_PREFETCH_RSTD))
+                                  and BWD_PREFETCH_RSTD),
+                   hold_weight=hold_weight)
 
 
 def launch_bounds(spec):

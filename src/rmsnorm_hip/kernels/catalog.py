@@ -9,8 +9,10 @@ from . import _config, rmsnorm_bwd, rmsnorm_fwd
 # one representative N per forward path (see _config.row_layout): multi-row, scalar-only (ragged),
 # cached single-row at the LLM sizes, and the looped path
 FWD_REPRESENTATIVE_N = (8, 127, 4096, 5000, 8192, 65536)
-# backward: multi-row (ragged: scalar only), one row per block, looped
-BWD_REPRESENTATIVE_N = (127, 4096, 65536)
+# backward: multi-row (ragged: scalar only), one row per block (N = 4096: 16-bit rows of 512
+# threads, two blocks per SM, and float32 rows of 1024; N = 8192: 16-bit rows of 1024 threads, the
+# benchmark's 8192-wide shapes), looped
+BWD_REPRESENTATIVE_N = (127, 4096, 8192, 65536)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,10 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     per_thread, cached, rows = layout.chunks_per_thread, layout.cached, spec.rows
     span = per_thread * chunk if cached else chunk        # floats kept per array and thread
     has_weight, recompute, has_dres = bool(spec.weight), spec.recompute_rstd, spec.dresidual
+    # the weight's floats held by the thread for the whole program (cached layouts), or loaded
+    # with each chunk (looped layouts, and cached ones that spec.hold_weight says cannot hold it)
+    hold_w = has_weight and cached and spec.hold_weight
+    assert spec.hold_weight or not spec.packed, "packed rows hold their weight"
     gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
     io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
@@ -137,7 +141,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             red = gpu.shared.array(red_shape, float32)
         xv = gpu.local.array(chunk if packed else span, float32)
         dv = gpu.local.array(chunk if packed else span, float32)
-        wv = gpu.local.array(span, float32)    # weight: loaded once per program when cached
+        wv = gpu.local.array(span if hold_w else chunk, float32)   # weight (``hold_w``)
         acc = gpu.local.array(span, float32)   # dweight partial (cached layouts)
         wdy = gpu.local.array(chunk, float32)
         out = gpu.local.array(chunk, float32)
@@ -173,7 +177,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if cached:
-                if has_weight:
+                if hold_w:
                     load_weight(weight, col0, wv, k * chunk)
                 for e in range(chunk):
                     acc[k * chunk + e] = float32(0.0)
@@ -227,9 +231,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                     continue
                 load_or_zero(x, x_start, col0, live, xv, slot)
                 load_or_zero(dy, dy_start, col0, live, dv, slot)
-                if has_weight and not cached:
+                if has_weight and not hold_w:
                     load_weight(weight, col0, wv, 0)
-                weighted(dv, wv, slot, slot, weight_offset, wdy)
+                weighted(dv, wv, slot, slot if hold_w else 0, weight_offset, wdy)
                 s += chunk_dot(xv, slot, wdy, 0)
                 if recompute:
                     ss += chunk_sumsq(xv, slot)
@@ -262,13 +266,15 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                             load(dy, dy_start, col0, dv, 0)
                             if has_weight:
                                 load_w(weight, 0, col0, wv, 0)
+                        elif has_weight and not hold_w:
+                            load_w(weight, 0, col0, wv, 0)
                         if early_dres:
                             words_to_floats(rw[k * 4], rw[k * 4 + 1], rw[k * 4 + 2],
                                             rw[k * 4 + 3], rv, 0)
                         elif has_dres:
                             load(dres, row * dres_stride, col0, rv, 0)
                         vslot = 0 if packed else slot     # where this chunk's x / dy floats are
-                        weighted(dv, wv, vslot, slot, weight_offset, wdy)
+                        weighted(dv, wv, vslot, slot if hold_w else 0, weight_offset, wdy)
                         for e in range(chunk):
                             # every multiply-add an explicit fma: see intrinsics fma
                             x_hat = xv[vslot + e] * r
