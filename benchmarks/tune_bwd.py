@@ -13,10 +13,10 @@ most row blocks a program takes, at most 128), with knobs since removed (benchma
 Session 11 ran ``paired`` / ``unpaired`` and the timing-only ablations ``full`` / ``no_ws_store`` /
 ``no_weight_load`` / ``rows_first`` (branch exp/paired-rows); ``--no-weight`` times dx alone (what
 the dweight costs a call).  Session 12 ran ``shallow`` / ``deep`` (one or two rows of words ahead,
-branch exp/deep-prefetch) and ``vector_red`` / ``scalar_red`` (a row's warp partials read 4 at a
-time or one at a time, with a knob since removed and the kernel cache cleared per setting), and ``before_fix`` /
-``cache_wide`` / ``cache_narrow`` on 1024-thread rows of 2 chunks (float32 N = 8192, 16-bit
-N = 16384: loads ahead of the reduction or not, cached or looped).
+branch exp/deep-prefetch), ``vector_red`` / ``scalar_red`` (a row's warp partials read 4 at a
+time or one at a time, with a knob since removed and the kernel cache cleared per setting), and
+``before_fix`` / ``cache_wide`` / ``cache_narrow`` on 1024-thread rows of 2 chunks (float32
+N = 8192, 16-bit N = 16384: loads ahead of the reduction or not, cached or looped).
 """
 import argparse
 import json

@@ -154,23 +154,17 @@ def make_chunk_sumsq(intr, chunk):
 def reduce_buffer_shape(intr, bufs, rows, threads):
     """Shape of the block's shared float32 ``red[bufs, rows, width]`` through which the warps of
     a row combine (make_row_sum, make_row_sum_max), to be allocated aligned to
-    ``reduce_alignment(intr)`` where that is not None.  After the barrier every thread reads its
+    ``intr.shared_alignment`` where that is not None.  After the barrier every thread reads its
     row's warp partials in warp order: with rows of a multiple of 4 floats, 16-byte aligned, the
     compiler reads them 4 at a time (a 1024-thread row: 8 ld.shared.v4 a thread instead of 32
     ld.shared.f32, each of which holds the SM's shared-memory pipe a cycle per warp).  The same
-    additions in the same order: the same bits."""
+    additions in the same order: the same bits.  H200, 4 at a time / one at a time, two runs each
+    (results/tune_h200_20261130_s12/*_vred.json; benchmarks/NOTES.md session 12): level at most
+    shapes, ahead at a few (backward 2048x8192 70.3-70.6 / 67.8-68.1% of copy, dresidual
+    4096x4096 80.0-80.6 / 78.5-79.3, fused add 4096x4096 89.1-91.1 / 87.5-87.8)."""
     warps = ceil_div(threads, intr.warp)
-    pad = warps > 1 and reduce_alignment(intr)
+    pad = warps > 1 and intr.shared_alignment
     return (bufs, rows, 4 * ceil_div(warps, 4) if pad else warps)
-
-
-def reduce_alignment(intr):
-    """The byte alignment to ask for ``red`` (None: its element's).  H200, 4 at a time / one at
-    a time, two runs each (results/tune_h200_20261130_s12/*_vred.json; benchmarks/NOTES.md
-    session 12): level at most shapes, ahead at a few (backward 2048x8192 70.3-70.6 / 67.8-68.1%
-    of copy, dresidual 4096x4096 80.0-80.6 / 78.5-79.3, fused add 4096x4096 89.1-91.1 /
-    87.5-87.8), the same bits everywhere."""
-    return intr.shared_alignment
 
 
 def make_row_sum(intr, threads):
@@ -241,8 +235,8 @@ def _make_fold(intr, warps, combine):
 
 
 def _make_row_reduce(intr, threads, warp_reduce, combine):
-    """(row_reduce(value, red, buf, ty, tx), warps per row): ``warp_reduce`` over the lanes of
-    each warp, then ``combine`` over the row's warps in warp order through shared memory."""
+    """``row_reduce(value, red, buf, ty, tx)``: ``warp_reduce`` over the lanes of each warp, then
+    ``combine`` over the row's warps in warp order through shared memory."""
     warp = intr.warp
     lanes = min(threads, warp)
     warps_per_row = ceil_div(threads, warp)
@@ -259,7 +253,7 @@ def _make_row_reduce(intr, threads, warp_reduce, combine):
             value = fold(red, buf, ty)
         return value
 
-    return row_reduce, warps_per_row
+    return row_reduce
 
 
 # 1.5 * 2**23: for |v| < 2**22, the float32 v + RNE_MAGIC is an integer, rne(v), held in the low

@@ -21,7 +21,7 @@ from numba import float32, int32, int64, types, uint32
 from .. import _dtypes
 from ._config import BwdSpec, ReduceSpec
 from ._rowops import (ChunkIO, codec, make_chunk_dot, make_chunk_sumsq, make_row_sum,
-                      reduce_alignment, reduce_buffer_shape)
+                      reduce_buffer_shape)
 
 
 def _pointer(dtype):
@@ -74,8 +74,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     dres_words = words if early_dres else 1
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
-    row_sum, _ = make_row_sum(intr, threads)
-    red_shape, red_align = reduce_buffer_shape(intr, 2, rows, threads), reduce_alignment(intr)
+    row_sum = make_row_sum(intr, threads)
+    red_shape, red_align = reduce_buffer_shape(intr, 2, rows, threads), intr.shared_alignment
     n_f32 = float32(n)
     # cached vector layouts write their partial dweight rows to the workspace (float32,
     # allocated here: rows 16-byte aligned when n % 4 == 0) in 128-bit stores.  As scalar
@@ -264,9 +264,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                         elif not cached:
                             load(x, x_start, col0, xv, 0)
                             load(dy, dy_start, col0, dv, 0)
-                            if has_weight:
-                                load_w(weight, 0, col0, wv, 0)
-                        elif has_weight and not hold_w:
+                        if has_weight and not hold_w:
                             load_w(weight, 0, col0, wv, 0)
                         if early_dres:
                             words_to_floats(rw[k * 4], rw[k * 4 + 1], rw[k * 4 + 2],

@@ -38,7 +38,7 @@ from numba import float32, int64, types, uint32
 from .. import _dtypes
 from ._config import FwdSpec
 from ._rowops import (ChunkIO, codec, make_chunk_sumsq, make_quant_store, make_row_sum,
-                      make_row_sum_max, reduce_alignment, reduce_buffer_shape)
+                      make_row_sum_max, reduce_buffer_shape)
 
 
 def argtypes(spec: FwdSpec):
@@ -76,7 +76,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
     s_io = ChunkIO(intr, spec.xscale or _dtypes.FLOAT32, chunk, n, spec.vector)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
-    row_sum, _ = make_row_sum(intr, threads)
+    row_sum = make_row_sum(intr, threads)
     row_sum_max = make_row_sum_max(intr, threads)
     # int8 levels by one fma where a NaN-propagating max|t| tells which rows may take it
     fma_levels = quant == _dtypes.INT8 and hasattr(intr, "max_abs_nan")
@@ -96,7 +96,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     gains_len = cache_len if held else 1
     red_bufs = 2 * n_red if stream else n_red   # streamed rows alternate between two halves
     red_shape = reduce_buffer_shape(intr, red_bufs, rows, threads)
-    red_align = reduce_alignment(intr)
+    red_align = intr.shared_alignment
     words = per_thread * 4 if stream else 1     # 32-bit words of a row's chunks per thread
     residual_words = words if has_residual else 1
     load_words, words_to_floats = x_io.load_words, x_io.words_to_floats
