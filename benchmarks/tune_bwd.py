@@ -16,7 +16,9 @@ the dweight costs a call).  Session 12 ran ``shallow`` / ``deep`` (one or two ro
 branch exp/deep-prefetch), ``vector_red`` / ``scalar_red`` (a row's warp partials read 4 at a
 time or one at a time, with a knob since removed and the kernel cache cleared per setting), and
 ``before_fix`` / ``cache_wide`` / ``cache_narrow`` on 1024-thread rows of 2 chunks (float32
-N = 8192, 16-bit N = 16384: loads ahead of the reduction or not, cached or looped).
+N = 8192, 16-bit N = 16384: loads ahead of the reduction or not, cached or looped).  Session 13
+ran ``narrow`` / ``wide`` (branch exp/wide2), ``hold_w`` / ``load_w`` and ``fp32_cached`` /
+``fp32_looped``.
 """
 import argparse
 import json
@@ -40,6 +42,15 @@ SETTINGS = {
     # the forward's rstd of the next row loaded with its words, or in the row's own pass
     "rstd_next": {"BWD_PREFETCH_RSTD": True},
     "rstd_late": {"BWD_PREFETCH_RSTD": False},
+    # packed 16-bit rows of 2 chunks a thread (N = 16384): the weight held for the program
+    # (spills 36-56 B) or loaded with each chunk; session 13's exp/wide2 also ran ``narrow`` /
+    # ``wide`` (N = 8192 as 1024 x 1 or 512 x 2 chunks, knob not merged)
+    "hold_w": {"BWD_HOLD_WEIGHT_MAX_CHUNKS": 2},
+    "load_w": {"BWD_HOLD_WEIGHT_MAX_CHUNKS": 1},
+    # float32 N = 16384 (--dtype float32): 1024 threads x 4 chunks cached (spilling 76-240 B) or
+    # looped at 512 threads (x and dy re-read in pass 2)
+    "fp32_cached": {"BWD_MAX_CACHED_FLOATS": 16},
+    "fp32_looped": {"BWD_MAX_CACHED_FLOATS": 8},
     # rows cached in registers up to 16 / 8 floats per array and thread (16-bit N = 16384: 2
     # chunks of 8 a thread at 16, looped at 8), the prefetch by threads of 1 chunk only; and the
     # form before session 12 (cached at 16, the prefetch by threads of 2 chunks as well)

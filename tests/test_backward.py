@@ -242,18 +242,78 @@ def test_sim_weight_loaded_per_chunk_gives_the_held_bits(rng, use_backend, monke
 
 def test_loads_ahead_and_held_weight_only_where_they_fit():
     """The next row's words and dresidual's are loaded ahead of a row's reduction only by threads
-    owning one chunk; unpacked 1024-thread dresidual rows load their weight per chunk (what ptxas
-    fits in the 64 registers of a 1024-thread block)."""
+    owning one chunk; 16-bit rows of two chunks keep words in the scalar form too and load their
+    weight per chunk, as do unpacked 1024-thread dresidual rows (what ptxas fits in the 64
+    registers of a 1024-thread block)."""
     for dtype, n, chunks in (("bfloat16", 8192, 1), ("float32", 4096, 1), ("float32", 8192, 2),
-                             ("bfloat16", 16384, 2)):
+                             ("bfloat16", 16384, 2), ("float16", 12000, 2)):
+        sixteen = dtype != FLOAT32
         for dres in (False, True):
             packed = _config.bwd_spec(n, dtype, dtype, True, False, dres)
             assert packed.layout.chunks_per_thread == chunks and packed.packed
             assert packed.prefetch == (chunks == 1)
             assert packed.early_dres == (dres and chunks == 1)
-            assert packed.hold_weight
+            assert packed.hold_weight == (chunks == 1 or not sixteen)
             scalar = _config.bwd_spec(n, dtype, dtype, False, False, dres)
-            assert scalar.hold_weight == (not dres or scalar.layout.threads < 1024)
+            assert scalar.layout == packed.layout
+            assert scalar.packed == (sixteen and chunks == 2) and not scalar.prefetch
+            if scalar.packed:
+                assert not scalar.hold_weight
+            else:
+                assert scalar.hold_weight == (not dres or scalar.layout.threads < 1024)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,weight", [("bfloat16", "bfloat16"), ("float16", FLOAT32)])
+def test_sim_two_chunk_rows_keep_words_in_both_forms(rng, use_backend, monkeypatch, dtype,
+                                                     weight):
+    """16-bit rows of two chunks a thread (N = 16384 on a GPU, 1024 threads; here the same
+    layout shrunk to 64 threads at N = 1000) keep x and dy as words in the vector form and in the
+    scalar (unaligned) one, which reads them an element at a time, and load their weight with
+    each chunk: aligned and unaligned rows give the same bits, holding the weight gives the same
+    bits, and both match float64; with dresidual and with rstd recomputed."""
+    be = use_backend("sim")
+    monkeypatch.setattr(_config, "bwd_row_layout", lambda n, dt: _config._layout(
+        n, dt, 2, _config.BWD_MAX_CACHED_FLOATS, 64))
+    functional.forget_plans()
+    m, n = 7, 1000
+    # each array twice: rows at 16-byte offsets (vector) and one element off them (scalar)
+    pairs = []
+    for _ in range(3):
+        a = random_array(rng, (m, n), dtype)
+        wide = np.concatenate([a[:, :1], a], axis=1)
+        pairs.append((a, wide[:, 1:]))
+    (x, xs), (dy, dys), (dres, dress) = pairs
+    w = random_array(rng, (n,), weight, loc=1.0, scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True)[1]
+    for dresidual, dresidual_s in ((None, None), (dres, dress)):
+        for r in (rstd, None):
+            vec = rms_norm_backward(dy, x, w, r, dresidual=dresidual)
+            spec = _ran(be)
+            assert spec.vector and spec.packed and not spec.hold_weight
+            assert spec.layout.threads == 64 and spec.layout.chunks_per_thread == 2
+            functional.forget_plans()
+            sca = rms_norm_backward(dys, xs, w, r, dresidual=dresidual_s)
+            spec = _ran(be)
+            assert not spec.vector and spec.packed and not spec.hold_weight
+            assert_bitwise(vec[0], sca[0], "dx, vector vs scalar words")
+            assert_bitwise(vec[1], sca[1], "dweight, vector vs scalar words")
+            ref = rms_norm_backward_ref(dy, x, w, r, dresidual=dresidual)
+            assert_dx(vec[0], dy, x, w, rstd, ref[0], dtype)
+            assert_dweight(vec[1], ref[1], weight)
+            functional.forget_plans()
+    real = _config.bwd_spec
+    monkeypatch.setattr(_config, "bwd_spec", lambda *a: dataclasses.replace(
+        real(*a), hold_weight=True))
+    functional.forget_plans()
+    held = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
+    assert _ran(be).hold_weight and _ran(be).packed
+    monkeypatch.setattr(_config, "bwd_spec", real)
+    functional.forget_plans()
+    loaded = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
+    assert not _ran(be).hold_weight
+    assert_bitwise(held[0], loaded[0], "dx, weight held vs loaded per chunk")
+    assert_bitwise(held[1], loaded[1], "dweight, weight held vs loaded per chunk")
 
 
 @pytest.mark.sim

@@ -229,6 +229,14 @@ BWD_PREFETCH = True
 BWD_PREFETCH_MAX_CHUNKS = 1
 # packed dresidual rows load dresidual with x and dy, before the row's reduction
 BWD_EARLY_DRESIDUAL = True
+# packed 16-bit rows hold their weight's floats for the whole program only where a thread owns at
+# most this many chunks of the row; with two (N = 16384: 1024 threads) the held weight spilled
+# 36-56 B (ptxas 13.0) and they load it with each chunk instead (an L1 hit; float32 rows of two
+# chunks hold theirs without spilling, and loading it measured level or slower).  H200, bf16,
+# us, held / loaded, two runs (results/tune_h200_20261130_s13/tune_bwd_n16k_loadw.json):
+# 4096x16384 128.1, 128.9 / 118.6, 118.4 (75 -> 82% of copy); 8192x16384 243.1, 241.0 / 222.4,
+# 222.2; 1024x16384 44.0, 43.8 / 41.0, 41.1; dresidual level (163.5 / 163.8 at 4096x16384)
+BWD_HOLD_WEIGHT_MAX_CHUNKS = 1
 # prefetching rows (rstd given, no dresidual) load the next row's rstd with its words.  H200,
 # bf16, % of copy, next / in its row (results/tune_h200_20261130_s7/tune_bwd_rstd.json):
 # 32768x4096 95.6 / 94.8, 16384x8192 92.9 / 92.5, 8192x8192 88.8 / 87.5, 4096x4096 72.8 / 72.5,
@@ -267,15 +275,24 @@ class BwdSpec:
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
     layout = bwd_row_layout(n, dtype)
     itemsize = _dtypes.ITEMSIZE[dtype]
-    packed = layout.cached and vector and (BWD_PACK_16BIT if itemsize == 2 else BWD_PACK_32BIT)
+    # 16-bit rows of 2 chunks a thread keep their words in the scalar (unaligned) form too: as
+    # floats, x and dy took the 1024-thread block 148-240 B past its registers (ptxas 13.0,
+    # N = 16384).  The words are read one element at a time and decoded as the vector form's
+    # are: the same floats, so the same bits
+    packed = layout.cached and (BWD_PACK_16BIT if itemsize == 2 else BWD_PACK_32BIT) and (
+        vector or (itemsize == 2 and layout.chunks_per_thread >= 2))
     # with rstd recomputed and dresidual too, the prefetch words take the kernel past 64
     # registers (4 B spilled, ptxas 13.5, N = 4096 bf16 with weight): that pair goes without
     both = recompute_rstd and dresidual
     ahead = layout.chunks_per_thread <= BWD_PREFETCH_MAX_CHUNKS
     prefetch = packed and BWD_PREFETCH and not both and ahead
-    # unpacked (scalar-access) 1024-thread rows hold x and dy as floats: with dresidual and the
-    # weight held too they spilled 8-28 B (ptxas 13.0, N = 8192); they load it with each chunk
-    hold_weight = packed or not (dresidual and layout.threads >= 1024)
+    if packed:
+        hold_weight = itemsize == 4 or layout.chunks_per_thread <= BWD_HOLD_WEIGHT_MAX_CHUNKS
+    else:
+        # unpacked (scalar-access) 1024-thread rows hold x and dy as floats: with dresidual and
+        # the weight held too they spilled 8-28 B (ptxas 13.0, N = 8192); they load it with
+        # each chunk
+        hold_weight = not (dresidual and layout.threads >= 1024)
     return BwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
                    packed=packed, prefetch=prefetch,

@@ -17,9 +17,10 @@ class ChunkIO:
     """``load(ptr, start, col0, vals, slot)`` / ``store(...)`` of one chunk of ``chunk`` elements
     of ``dtype`` at ``ptr[start + col0 ...]``, into / from ``vals[slot ...]`` (float32).
 
-    The vector form also has ``load_words(ptr, start, col0, words, at)``, the chunk's 128-bit
-    load kept as four uint32 words (eight 16-bit elements in four registers), and
-    ``words_to_floats(w0, w1, w2, w3, vals, slot)``, which decodes them exactly as ``load`` does."""
+    Both forms also have ``load_words(ptr, start, col0, words, at)``, the chunk kept as the four
+    uint32 words of its 128-bit load (eight 16-bit elements in four registers; the scalar form
+    reads the elements one at a time), and ``words_to_floats(w0, w1, w2, w3, vals, slot)``,
+    which decodes them exactly as ``load`` does."""
 
     def __init__(self, intr, dtype, chunk, n, vector):
         self.load, self.store, self.load_words, self.words_to_floats = _make_chunk_io(
@@ -98,6 +99,25 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
                 store_b128(ptr, start + col0, f32_as_u32(vals[slot]), f32_as_u32(vals[slot + 1]),
                            f32_as_u32(vals[slot + 2]), f32_as_u32(vals[slot + 3]))
     else:
+        @jitable
+        def load_words(ptr, start, col0, words, at):
+            """The chunk's elements, read one at a time, in the four words a 128-bit load
+            would give (zeros past n): what ``load`` reads, for rows that keep it packed."""
+            for j in range(4):
+                if half:
+                    lo = uint32(0)
+                    hi = uint32(0)
+                    if col0 + 2 * j < n:
+                        lo = uint32(ptr[start + col0 + 2 * j])
+                    if col0 + 2 * j + 1 < n:
+                        hi = uint32(ptr[start + col0 + 2 * j + 1])
+                    words[at + j] = lo | (hi << uint32(16))
+                else:
+                    bits = uint32(0)
+                    if col0 + j < n:
+                        bits = f32_as_u32(float32(ptr[start + col0 + j]))
+                    words[at + j] = bits
+
         @jitable
         def load(ptr, start, col0, vals, slot):
             for e in range(chunk):

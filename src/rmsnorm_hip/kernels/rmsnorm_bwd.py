@@ -47,16 +47,15 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # the weight's floats held by the thread for the whole program (cached layouts), or loaded
     # with each chunk (looped layouts, and cached ones that spec.hold_weight says cannot hold it)
     hold_w = has_weight and cached and spec.hold_weight
-    assert spec.hold_weight or not spec.packed, "packed rows hold their weight"
     gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
     io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
     load, store, load_w = io.load, io.store, w_io.load
     load_words, words_to_floats = io.load_words, io.words_to_floats
-    # packed (16-bit rows on the cached vector path): x and dy stay between the passes as the
-    # loaded words (4 registers per chunk instead of 8 floats), re-decoded in pass 2; with the
-    # weight and the dweight partial that is 24 registers of row state per thread, which lets
-    # two 512-thread blocks share an SM (research/numba-probe/BACKWARD.md: 95% of copy at
+    # packed (cached vector rows, and 16-bit scalar rows of 2 chunks): x and dy stay between the
+    # passes as the loaded words (4 registers per chunk instead of 8 floats), re-decoded in
+    # pass 2; with the weight and the dweight partial that is 24 registers of row state per
+    # thread, which lets two 512-thread blocks share an SM (research/numba-probe/BACKWARD.md: 95% of copy at
     # 32768x4096 with 2 blocks per SM, 76% with 1).  The float32 operations are the same either
     # way: packed and unpacked rows give the same bits.
     packed = spec.packed
@@ -224,7 +223,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                                     xt, 0)
                     words_to_floats(dw[k * 4], dw[k * 4 + 1], dw[k * 4 + 2], dw[k * 4 + 3],
                                     dt, 0)
-                    weighted(dt, wv, 0, slot, weight_offset, wdy)
+                    if has_weight and not hold_w:
+                        load_weight(weight, col0, wv, 0)
+                    weighted(dt, wv, 0, slot if hold_w else 0, weight_offset, wdy)
                     s += chunk_dot(xt, 0, wdy, 0)
                     if recompute:
                         ss += chunk_sumsq(xt, 0)
