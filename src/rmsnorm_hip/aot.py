@@ -9,13 +9,14 @@ code size from the ``-O3`` ISA listing; and how many ``global_load_dwordx4`` /
 ``global_store_dwordx4`` the ISA has.
 
 NVIDIA (``--target cuda``, numba-cuda): PTX for ``sm_90`` (or any ``sm_XY``), with the counts of
-``ld.global.v4`` / ``st.global.v4`` and whether a local-memory depot exists.  Registers and spills
-come from the loaded kernel on a real GPU (``CudaKernel.attributes``), not from here.
+``ld.global.v4`` / ``st.global.v4`` and whether a local-memory depot exists, and registers and
+spills from ptxas (``_ptxas_resources``) where it is installed.
 
 Gates (``--no-check`` turns all but the first off); each failing kernel counts once:
 
 - the kernel did not compile;
-- scratch bytes, VGPR or SGPR spills (AMD) / a local depot (NVIDIA);
+- scratch bytes, VGPR or SGPR spills (AMD) / a local depot, or ptxas spills beyond
+  ``SM90_SPILL_ALLOWANCE`` (NVIDIA: none, but for the kernels it lists with their reason);
 - a vector-path kernel without 128-bit global loads and stores (a quantised forward without
   residual stores 8-bit q only: 64- / 32-bit stores, so 128-bit loads are what it must have), or
   storing bytes one by one;
@@ -46,6 +47,24 @@ import time
 import traceback
 
 MAIN_KERNEL_MAX_VGPRS = 64
+# sm_90 kernels whose ptxas spills are known and measured against the alternatives: the bytes
+# stored each may spill at most (ptxas 13.0).  Every other kernel must spill none.
+#   float32 N = 16384 backward rows (1024 threads x 4 chunks: x, dy, the weight and the dweight
+#   partial are 64 floats a thread, in a block held to 64 registers); looped instead they
+#   re-read x and dy and took 520 us against 359 at 4096x16384 with dresidual on the H200
+#   (benchmarks/NOTES.md, session 13).
+#   16-bit N = 16384 unaligned (scalar) rows with rstd recomputed and dresidual: 96 B (168 before
+#   they kept x and dy as words); the unaligned fallback of a 16-bit-weight call.
+_N16K = "N=16384:row:"
+SM90_SPILL_ALLOWANCE = {
+    **{f"bwd:float32:w=float32:{_N16K}{form}:recompute={rec}:dres={dres}": spilled
+       for (form, rec, dres), spilled in {
+           ("vec", 0, 0): 124, ("vec", 0, 1): 152, ("vec", 1, 0): 136, ("vec", 1, 1): 136,
+           ("scalar", 0, 0): 240, ("scalar", 0, 1): 144, ("scalar", 1, 0): 224,
+           ("scalar", 1, 1): 96}.items()},
+    f"bwd:bfloat16:w=bfloat16:{_N16K}scalar:recompute=1:dres=1": 96,
+    f"bwd:float16:w=float16:{_N16K}scalar:recompute=1:dres=1": 96,
+}
 FORWARD_OPS = ("fwd", "fused_add", "quant")
 AMD_ARCHS = ("gfx942", "gfx950")
 CUDA_ARCHS = ("sm_90",)
@@ -250,8 +269,11 @@ def problems(record, target):
             out.append("ptxas refused the PTX")
         if record["local_depot"]:
             out.append("local memory depot")
-        if record.get("spill_store_bytes") or record.get("spill_load_bytes"):
-            out.append(f"spills {record['spill_store_bytes']} B stored")
+        allowed = SM90_SPILL_ALLOWANCE.get(record.get("label"), 0)
+        if (record.get("spill_store_bytes") or 0) > allowed or (
+                record.get("spill_load_bytes") and not allowed):
+            out.append(f"spills {record['spill_store_bytes']} B stored"
+                       + (f" (allowed {allowed})" if allowed else ""))
         if record.get("vector") and not (record["ld_global_v4"] and (
                 record["st_global_v4"] or not record.get("full_width_store", True))):
             out.append("vector path without ld/st.global.v4")

@@ -11,8 +11,10 @@ from . import _config, rmsnorm_bwd, rmsnorm_fwd
 FWD_REPRESENTATIVE_N = (8, 127, 4096, 5000, 8192, 65536)
 # backward: multi-row (ragged: scalar only), one row per block (N = 4096: 16-bit rows of 512
 # threads, two blocks per SM, and float32 rows of 1024; N = 8192: 16-bit rows of 1024 threads, the
-# benchmark's 8192-wide shapes), looped
-BWD_REPRESENTATIVE_N = (127, 4096, 8192, 65536)
+# benchmark's 8192-wide shapes; N = 16384: rows of 1024 threads x 2 chunks (16-bit: the weight
+# loaded per chunk, words in the scalar form too) and x 4 (float32: aot.SM90_SPILL_ALLOWANCE)),
+# looped
+BWD_REPRESENTATIVE_N = (127, 4096, 8192, 16384, 65536)
 
 
 @dataclass(frozen=True)
