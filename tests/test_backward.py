@@ -215,10 +215,10 @@ def test_sim_weight_loaded_per_chunk_gives_the_held_bits(rng, use_backend, monke
                                                          weight):
     """Cached rows that load their weight with each chunk (BwdSpec.hold_weight False: the
     unpacked 1024-thread dresidual rows) run the same float32 operations as rows holding it;
-    with and without dresidual, through several rows a program (7 rows, 2 programs)."""
+    with and without dresidual, through several rows a program (7 rows, 2 programs).  (Packed
+    rows of two chunks: test_sim_two_chunk_rows_keep_words_in_both_forms.)"""
     be = use_backend("sim")
-    # rows one element off 16 bytes: the scalar (unpacked) kernel, the only one that may load
-    # its weight per chunk (packed rows always hold it)
+    # rows one element off 16 bytes: the scalar (unpacked) kernel of one chunk a thread
     x, dy, dres = (np.concatenate([a, a[:, :1]], axis=1)[:, 1:]
                    for a in (random_array(rng, (7, 1024), dtype) for _ in range(3)))
     w = random_array(rng, (1024,), weight, loc=1.0, scale=0.1)
