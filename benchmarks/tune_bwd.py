@@ -57,6 +57,15 @@ SETTINGS = {
     "cache_wide": {"BWD_MAX_CACHED_FLOATS": 16, "BWD_PREFETCH_MAX_CHUNKS": 1},
     "cache_narrow": {"BWD_MAX_CACHED_FLOATS": 8, "BWD_PREFETCH_MAX_CHUNKS": 1},
     "before_fix": {"BWD_MAX_CACHED_FLOATS": 16, "BWD_PREFETCH_MAX_CHUNKS": 2},
+    # 16-bit N = 8192 (and float32 N = 4096) rows: 1024 threads x 1 chunk, one block per SM
+    # (64 registers), or 512 threads x 2 chunks, one block per SM (128 registers: the weight
+    # held and the next row ahead, as the 1-chunk rows)
+    "narrow": {"BWD_TWO_CHUNK_MIN_THREADS": {"cuda": None, "hip": None}},
+    "one_block": {"BWD_TWO_CHUNK_MIN_THREADS": {"cuda": 1024, "hip": None}},
+    # and 16-bit N = 4096 rows as 256 threads x 2 chunks, two blocks per SM (512 x 1 before)
+    "two_chunk": {"BWD_TWO_CHUNK_MIN_THREADS": {"cuda": 512, "hip": None}},
+    # rows of 576-1024 threads (16-bit N = 4097-8192) as two chunks, N = 4096 as before
+    "mid": {"BWD_TWO_CHUNK_MIN_THREADS": {"cuda": 576, "hip": None}},
     # the dweight reduction: row groups per block x loads batched per thread
     "reduce_g8_b4": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 4},
     "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},

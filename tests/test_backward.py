@@ -227,8 +227,8 @@ def test_sim_weight_loaded_per_chunk_gives_the_held_bits(rng, use_backend, monke
         held = rms_norm_backward(dy, x, w, rstd, dresidual=dresidual)
         assert _ran(be).hold_weight and not _ran(be).vector
         real = _config.bwd_spec
-        monkeypatch.setattr(_config, "bwd_spec", lambda *a: dataclasses.replace(
-            real(*a), hold_weight=False))
+        monkeypatch.setattr(_config, "bwd_spec", lambda *a, **k: dataclasses.replace(
+            real(*a, **k), hold_weight=False))
         functional.forget_plans()
         loaded = rms_norm_backward(dy, x, w, rstd, dresidual=dresidual)
         assert not _ran(be).hold_weight
@@ -240,42 +240,89 @@ def test_sim_weight_loaded_per_chunk_gives_the_held_bits(rng, use_backend, monke
         functional.forget_plans()
 
 
-def test_loads_ahead_and_held_weight_only_where_they_fit():
-    """The next row's words and dresidual's are loaded ahead of a row's reduction only by threads
-    owning one chunk; 16-bit rows of two chunks keep words in the scalar form too and load their
-    weight per chunk, as do unpacked 1024-thread dresidual rows (what ptxas fits in the 64
-    registers of a 1024-thread block)."""
-    for dtype, n, chunks in (("bfloat16", 8192, 1), ("float32", 4096, 1), ("float32", 8192, 2),
-                             ("bfloat16", 16384, 2), ("float16", 12000, 2)):
-        sixteen = dtype != FLOAT32
-        for dres in (False, True):
-            packed = _config.bwd_spec(n, dtype, dtype, True, False, dres)
-            assert packed.layout.chunks_per_thread == chunks and packed.packed
-            assert packed.prefetch == (chunks == 1)
-            assert packed.early_dres == (dres and chunks == 1)
-            assert packed.hold_weight == (chunks == 1 or not sixteen)
-            scalar = _config.bwd_spec(n, dtype, dtype, False, False, dres)
-            assert scalar.layout == packed.layout
-            assert scalar.packed == (sixteen and chunks == 2) and not scalar.prefetch
-            if scalar.packed:
-                assert not scalar.hold_weight
-            else:
-                assert scalar.hold_weight == (not dres or scalar.layout.threads < 1024)
+# (dtype, N, vendor, threads, chunks a thread, loads ahead): rows of one chunk a thread, of two
+# in 512-thread blocks of 128 registers (CUDA's N = 8192 16-bit and N = 4096 float32: the next
+# row and dresidual loaded ahead, the weight held), and of two in 1024-thread blocks of 64
+# registers (neither; 16-bit rows load their weight per chunk)
+LAYOUT_FORMS = [("bfloat16", 4096, "cuda", 512, 1, True), ("bfloat16", 6144, "cuda", 768, 1, True),
+                ("bfloat16", 8192, "cuda", 512, 2, True), ("float32", 4096, "cuda", 512, 2, True),
+                ("bfloat16", 8192, "hip", 1024, 1, True), ("float32", 4096, "hip", 1024, 1, True),
+                ("float32", 8192, "cuda", 1024, 2, False),
+                ("bfloat16", 16384, "cuda", 1024, 2, False),
+                ("float16", 12000, "cuda", 1024, 2, False),
+                ("float16", 12000, "hip", 1024, 2, False)]
+
+
+@pytest.mark.parametrize("dtype,n,vendor,threads,chunks,ahead", LAYOUT_FORMS, ids=str)
+def test_loads_ahead_and_held_weight_only_where_they_fit(dtype, n, vendor, threads, chunks,
+                                                         ahead):
+    """The next row's words and dresidual's are loaded ahead of a row's reduction, and a 16-bit
+    weight is held for the program, only where ptxas fits them (a thread's 64 registers per
+    1024 threads of rows an SM holds); 16-bit rows of two chunks keep words in the scalar form
+    too, and unpacked 1024-thread dresidual rows load their weight per chunk."""
+    sixteen = dtype != FLOAT32
+    layout = _config.bwd_row_layout(n, dtype, vendor)
+    assert (layout.threads, layout.chunks_per_thread, layout.cached) == (threads, chunks, True)
+    blocks = _config.bwd_blocks_per_sm(layout)
+    assert blocks == (2 if threads * chunks <= 512 else 1)
+    assert _config.bwd_programs(_config.bwd_spec(n, dtype, dtype, True, False, False, vendor),
+                                1 << 20, 132) == 132 * blocks
+    for dres in (False, True):
+        packed = _config.bwd_spec(n, dtype, dtype, True, False, dres, vendor)
+        assert packed.layout == layout and packed.packed
+        assert _config.launch_bounds(packed) == (threads, blocks if blocks > 1 else None)
+        assert packed.prefetch == ahead and packed.early_dres == (dres and ahead)
+        assert packed.hold_weight == (ahead or not sixteen)
+        both = _config.bwd_spec(n, dtype, dtype, True, True, dres, vendor)
+        assert both.prefetch == (ahead and not dres)
+        scalar = _config.bwd_spec(n, dtype, dtype, False, False, dres, vendor)
+        assert scalar.layout == layout
+        assert scalar.packed == (sixteen and chunks == 2)
+        assert scalar.prefetch == (scalar.packed and ahead)
+        if scalar.packed:
+            assert scalar.hold_weight == ahead
+        else:
+            assert scalar.hold_weight == (not dres or threads < 1024)
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "hip"])
+def test_programs_do_not_depend_on_the_variant(vendor):
+    """dweight sums one partial row per program, so every variant of a call shape (vector or
+    scalar, rstd given or not, with or without dresidual) runs as many programs: a row-strided
+    call then gives bitwise its contiguous copy's dweight (API.md)."""
+    from rmsnorm_hip.kernels import catalog
+    programs = {}
+    for variant in catalog.bwd_variants(vendor=vendor):
+        if variant.op != "bwd":
+            continue
+        spec = variant.spec
+        for m in (1, 7, 131, 133, 333, 4096, 1 << 20):
+            got = _config.bwd_programs(spec, m, 132)
+            assert programs.setdefault((spec.layout.n, spec.dtype, m), got) == got, spec
+    assert programs[8192, "bfloat16", 4096] == 132
+    assert programs[4096, "bfloat16", 4096] == 264 and programs[4096, "bfloat16", 7] == 7
 
 
 @pytest.mark.sim
 @pytest.mark.parametrize("dtype,weight", [("bfloat16", "bfloat16"), ("float16", FLOAT32)])
 def test_sim_two_chunk_rows_keep_words_in_both_forms(rng, use_backend, monkeypatch, dtype,
                                                      weight):
-    """16-bit rows of two chunks a thread (N = 16384 on a GPU, 1024 threads; here the same
-    layout shrunk to 64 threads at N = 1000) keep x and dy as words in the vector form and in the
-    scalar (unaligned) one, which reads them an element at a time, and load their weight with
-    each chunk: aligned and unaligned rows give the same bits, holding the weight gives the same
-    bits, and both match float64; with dresidual and with rstd recomputed."""
+    """16-bit rows of two chunks a thread keep x and dy as words in the vector form and in the
+    scalar (unaligned) one, which reads them an element at a time.  Two forms of such rows ship:
+    N = 8192 on CUDA (512 threads with 128 registers: the next row's words and dresidual's loaded
+    ahead, the weight held) and N = 16384 (1024 threads with 64: none of these, the weight loaded
+    with each chunk).  Here both run shrunk to 64 threads at N = 1000: aligned and unaligned
+    rows and the two forms give the same bits, which match float64; with dresidual and with
+    rstd recomputed."""
     be = use_backend("sim")
-    monkeypatch.setattr(_config, "bwd_row_layout", lambda n, dt: _config._layout(
+    monkeypatch.setattr(_config, "bwd_row_layout", lambda n, dt, vendor="cuda": _config._layout(
         n, dt, 2, _config.BWD_MAX_CACHED_FLOATS, 64))
-    functional.forget_plans()
+    real = _config.bwd_spec
+
+    def lean(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), prefetch=False, early_dres=False,
+                                   prefetch_rstd=False, hold_weight=False)
+
     m, n = 7, 1000
     # each array twice: rows at 16-byte offsets (vector) and one element off them (scalar)
     pairs = []
@@ -288,32 +335,29 @@ def test_sim_two_chunk_rows_keep_words_in_both_forms(rng, use_backend, monkeypat
     rstd = rms_norm(x, w, return_rstd=True)[1]
     for dresidual, dresidual_s in ((None, None), (dres, dress)):
         for r in (rstd, None):
-            vec = rms_norm_backward(dy, x, w, r, dresidual=dresidual)
-            spec = _ran(be)
-            assert spec.vector and spec.packed and not spec.hold_weight
-            assert spec.layout.threads == 64 and spec.layout.chunks_per_thread == 2
-            functional.forget_plans()
-            sca = rms_norm_backward(dys, xs, w, r, dresidual=dresidual_s)
-            spec = _ran(be)
-            assert not spec.vector and spec.packed and not spec.hold_weight
-            assert_bitwise(vec[0], sca[0], "dx, vector vs scalar words")
-            assert_bitwise(vec[1], sca[1], "dweight, vector vs scalar words")
+            outs = {}
+            for form in ("ahead", "lean"):
+                monkeypatch.setattr(_config, "bwd_spec", real if form == "ahead" else lean)
+                for vector, args in ((True, (dy, x, dresidual)), (False, (dys, xs, dresidual_s))):
+                    functional.forget_plans()
+                    outs[form, vector] = rms_norm_backward(args[0], args[1], w, r,
+                                                           dresidual=args[2])
+                    spec = _ran(be)
+                    assert spec.vector == vector and spec.packed
+                    assert spec.layout.threads == 64 and spec.layout.chunks_per_thread == 2
+                    ahead = form == "ahead"
+                    assert spec.hold_weight == ahead
+                    assert spec.prefetch == (ahead and not (r is None and dresidual is not None))
+                    assert spec.early_dres == (ahead and dresidual is not None)
+            first = outs["ahead", True]
+            for key, out in outs.items():
+                assert_bitwise(out[0], first[0], f"dx, {key} vs ('ahead', True)")
+                assert_bitwise(out[1], first[1], f"dweight, {key} vs ('ahead', True)")
             ref = rms_norm_backward_ref(dy, x, w, r, dresidual=dresidual)
-            assert_dx(vec[0], dy, x, w, rstd, ref[0], dtype)
-            assert_dweight(vec[1], ref[1], weight)
-            functional.forget_plans()
-    real = _config.bwd_spec
-    monkeypatch.setattr(_config, "bwd_spec", lambda *a: dataclasses.replace(
-        real(*a), hold_weight=True))
-    functional.forget_plans()
-    held = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
-    assert _ran(be).hold_weight and _ran(be).packed
+            assert_dx(first[0], dy, x, w, rstd, ref[0], dtype)
+            assert_dweight(first[1], ref[1], weight)
     monkeypatch.setattr(_config, "bwd_spec", real)
     functional.forget_plans()
-    loaded = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
-    assert not _ran(be).hold_weight
-    assert_bitwise(held[0], loaded[0], "dx, weight held vs loaded per chunk")
-    assert_bitwise(held[1], loaded[1], "dweight, weight held vs loaded per chunk")
 
 
 @pytest.mark.sim

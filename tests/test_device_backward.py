@@ -74,7 +74,7 @@ def test_backward_contract_and_invariance(poisoned, m, n, dtype, weight, given_r
     assert torch.equal(raw(torch.cat(alone)), raw(dx[rows]))
 
 
-@pytest.mark.parametrize("m,n", [(7, 4096), (333, 127), (3, 65537)], ids=str)
+@pytest.mark.parametrize("m,n", [(7, 4096), (33, 8192), (333, 127), (3, 65537)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_dresidual_and_offset(poisoned, m, n, dtype):
     _, x, w = inputs(m, n, dtype, dtype)
@@ -88,6 +88,27 @@ def test_backward_dresidual_and_offset(poisoned, m, n, dtype):
                                                      dresidual=host(dres))
     assert_dx(host(dx), host(dy), host(x), host(w), rstd.cpu().numpy(), ref_dx, dtype, 1.0)
     assert_dweight(host(dw), ref_dw, dtype)
+
+
+@pytest.mark.parametrize("n", [4096, 8192])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("given_rstd", [True, False], ids=["rstd", "recompute"])
+def test_row_strided_backward_is_its_contiguous_copys(dtype, n, given_rstd):
+    """Rows one element off 16 bytes (the scalar kernels) give bitwise the contiguous copy's dx
+    and dweight (API.md), at an M past two programs an SM: the programs' partial rows are
+    dweight's summation order, and the scalar and vector kernels once ran different numbers of
+    them (264 and 132 at 16-bit N = 4096 on an H200)."""
+    m = 333
+    _, x, w = inputs(m, n, dtype, dtype)
+    dy = torch.randn(m, n, device="cuda", dtype=TORCH[dtype])
+    dres = torch.randn(m, n, device="cuda", dtype=TORCH[dtype])
+    rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1] if given_rstd else None
+    for dresidual in (None, dres):
+        dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dresidual)
+        dxu, dwu = rmsnorm_hip.rms_norm_backward(
+            misaligned_copy(dy), misaligned_copy(x), w, rstd,
+            dresidual=None if dresidual is None else misaligned_copy(dresidual))
+        assert torch.equal(raw(dxu), raw(dx)) and torch.equal(raw(dwu), raw(dw))
 
 
 def test_dweight_accuracy_many_rows():

@@ -205,25 +205,23 @@ class GpuBackend:
 
     # ---- backward ------------------------------------------------------------------------
     def _bwd_plan(self, key):
-        """(spec, kernel, dweight reduction kernel or None, its spec, blocks per SM) of a
-        backward call shape, built once: a repeat call only looks it up."""
-        spec = _config.bwd_spec(*key)
+        """(spec, kernel, dweight reduction kernel or None, its spec) of a backward call shape,
+        built once: a repeat call only looks it up."""
+        spec = _config.bwd_spec(*key, vendor=self.vendor)
         kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, spec, rmsnorm_bwd.argtypes(spec))
         reduce = None
         reduce_spec = _config.reduce_spec(spec.weight)
         if spec.weight:
             reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, reduce_spec,
                                  rmsnorm_bwd.reduce_argtypes(reduce_spec))
-        per_sm = self.resident_per_sm(kernel, spec.layout.threads * spec.rows)
-        plan = self._bwd_plans[key] = (spec, kernel, reduce, reduce_spec, per_sm)
+        plan = self._bwd_plans[key] = (spec, kernel, reduce, reduce_spec)
         return plan
 
     def _bwd_launch_shape(self, key, m):
         """(kernel, grid, block, dweight reduction kernel, its grid, its block, workspace rows)
         of a backward call of ``m`` rows."""
-        spec, kernel, reduce, reduce_spec, per_sm = (self._bwd_plans.get(key)
-                                                      or self._bwd_plan(key))
-        programs = _config.bwd_programs(spec, m, self.sm_count, per_sm)
+        spec, kernel, reduce, reduce_spec = self._bwd_plans.get(key) or self._bwd_plan(key)
+        programs = _config.bwd_programs(spec, m, self.sm_count)
         columns, groups = reduce_spec.columns, reduce_spec.groups
         return (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1), reduce,
                 ((spec.layout.n + columns - 1) // columns, 1, 1), (columns, groups, 1),

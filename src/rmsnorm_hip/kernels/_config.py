@@ -243,13 +243,31 @@ BWD_HOLD_WEIGHT_MAX_CHUNKS = 1
 # 1024x8192 56.0 / 56.3.  The dresidual form lost 9-19 points with it (..._dres_rstd_scalar_ws
 # .json; ptxas 13.5 gives that form 62 registers and no spills: cause not established)
 BWD_PREFETCH_RSTD = True
+# rows of one chunk a thread over at least this many threads (per vendor; None: never) take two
+# chunks a thread at half the threads, with at most 1024 chunks of rows per SM as before: one
+# block per SM of 512 threads with 128 registers each, so the weight is held and the next row
+# loaded ahead as in the one-chunk rows.  H200, us, 1024 x 1 / 512 x 2 (16-bit N = 8192, float32
+# N = 4096), two runs each (results/tune_h200_20261130_s14/tune_bwd*.json):
+#   bf16 16384x8192 203.5, 203.2 / 200.9, 201.5; 8192x8192 107.0, 107.2 / 105.5, 105.2;
+#   4096x8192 58.2, 58.3 / 57.3, 57.6; 2048x8192 33.5, 33.6 / 34.2, 34.0; 1024x8192 20.9,
+#   20.7 / 20.0, 20.1; dresidual 8192x8192 134.9, 134.6 / 133.4, 133.5, 1024x8192 24.6, 24.5 /
+#   23.7, 23.4; float32 4096x4096 55.9, 55.8 / 54.8, 55.2; dx alone 8192x8192 102.5 / 100.7.
+# Rows of 576-960 threads (N = 4608-7680 16-bit) measured level either way, and 16-bit N = 4096
+# as 256 x 2 (two blocks per SM) 1-2.5% slower at every M: they keep one chunk.  AMD: not
+# measured, so not changed
+BWD_TWO_CHUNK_MIN_THREADS = {"cuda": 1024, "hip": None}
 
 
-def bwd_row_layout(n, dtype):
-    """The backward's per-row layout (a function of N and dtype only: dx is batch invariant).
-    Rows too long to cache take BWD_LOOPED_THREADS: at 1024 threads the dresidual forms need
-    more than the 64 registers such a block may have (ptxas 13.5 spilled 16-20 B)."""
+def bwd_row_layout(n, dtype, vendor="cuda"):
+    """The backward's per-row layout (a function of N and dtype only on a given vendor's GPUs: dx
+    is batch invariant).  Rows too long to cache take BWD_LOOPED_THREADS: at 1024 threads the
+    dresidual forms need more than the 64 registers such a block may have (ptxas 13.5 spilled
+    16-20 B)."""
     layout = _layout(n, dtype, 1, BWD_MAX_CACHED_FLOATS)
+    two_chunks = BWD_TWO_CHUNK_MIN_THREADS[vendor]
+    if (two_chunks is not None and layout.cached and layout.chunks_per_thread == 1
+            and layout.threads >= two_chunks):
+        layout = _layout(n, dtype, 2, BWD_MAX_CACHED_FLOATS, layout.threads // 2)
     if not layout.cached:
         layout = _layout(n, dtype, 1, BWD_MAX_CACHED_FLOATS, BWD_LOOPED_THREADS)
     return layout
@@ -272,8 +290,8 @@ class BwdSpec:
     hold_weight: bool = True        # cached rows: the weight's floats held for the whole program
 
 
-def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
-    layout = bwd_row_layout(n, dtype)
+def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda"):
+    layout = bwd_row_layout(n, dtype, vendor)
     itemsize = _dtypes.ITEMSIZE[dtype]
     # 16-bit rows of 2 chunks a thread keep their words in the scalar (unaligned) form too: as
     # floats, x and dy took the 1024-thread block 148-240 B past its registers (ptxas 13.0,
@@ -284,10 +302,13 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual):
     # with rstd recomputed and dresidual too, the prefetch words take the kernel past 64
     # registers (4 B spilled, ptxas 13.5, N = 4096 bf16 with weight): that pair goes without
     both = recompute_rstd and dresidual
-    ahead = layout.chunks_per_thread <= BWD_PREFETCH_MAX_CHUNKS
+    # a thread's registers in units of 64: 2 where its SM holds 512 threads of these rows
+    budget = max(1, 1024 // (layout.threads * bwd_blocks_per_sm(layout)))
+    ahead = layout.chunks_per_thread <= BWD_PREFETCH_MAX_CHUNKS * budget
     prefetch = packed and BWD_PREFETCH and not both and ahead
     if packed:
-        hold_weight = itemsize == 4 or layout.chunks_per_thread <= BWD_HOLD_WEIGHT_MAX_CHUNKS
+        hold_weight = (itemsize == 4
+                       or layout.chunks_per_thread <= BWD_HOLD_WEIGHT_MAX_CHUNKS * budget)
     else:
         # unpacked (scalar-access) 1024-thread rows hold x and dy as floats: with dresidual and
         # the weight held too they spilled 8-28 B (ptxas 13.0, N = 8192); they load it with
@@ -312,10 +333,16 @@ def launch_bounds(spec):
     if not isinstance(spec, BwdSpec):
         return None, None
     threads = spec.layout.threads * spec.rows
-    # 64 registers a thread leave room for 1024 threads per SM: a 1024-thread block asked to
-    # fit twice got 32 registers and spilled 100 bytes (ptxas, N = 8192 bf16)
-    blocks = min(BWD_BLOCKS_PER_SM, 1024 // threads) if spec.packed else 1
+    blocks = bwd_blocks_per_sm(spec.layout) if spec.packed else 1
     return threads, (blocks if blocks > 1 else None)
+
+
+def bwd_blocks_per_sm(layout):
+    """Backward programs per SM for rows of this layout: up to 1024 chunks of cached rows per SM
+    (64 registers a thread; a 1024-thread block asked to fit twice got 32 registers and spilled
+    100 bytes, ptxas, N = 8192 bf16), at most BWD_BLOCKS_PER_SM."""
+    chunks = layout.chunks_per_thread if layout.cached else 1
+    return max(1, min(BWD_BLOCKS_PER_SM, 1024 // (layout.threads * chunks)))
 
 
 @dataclass(frozen=True)
@@ -332,8 +359,12 @@ def reduce_spec(weight):
                       batch=BWD_REDUCE_BATCH)
 
 
-def bwd_programs(spec, m, sm_count, resident_per_sm):
-    """Programs of the persistent backward grid: the blocks the device holds at once (at most
-    BWD_BLOCKS_PER_SM per SM), and no more than there are blocks of rows."""
-    per_sm = max(1, min(BWD_BLOCKS_PER_SM, resident_per_sm))
-    return max(1, min(ceil_div(m, spec.rows), per_sm * sm_count))
+def bwd_programs(spec, m, sm_count):
+    """Programs of the persistent backward grid: bwd_blocks_per_sm per SM, and no more than there
+    are blocks of rows.  A function of the layout, M and the device only, not of the variant:
+    the programs' partial rows are dweight's summation order, so a row-strided (scalar) call
+    must sum them as its contiguous copy's (vector) call does (API.md: bitwise the same).  It
+    once asked the driver how many blocks of the variant fit: at 16-bit N = 4096 the vector
+    kernel fits two (64 registers) and the scalar one (80-97) one, 264 against 132 programs on
+    an H200.  A variant that fits fewer runs its programs in more than one wave."""
+    return max(1, min(ceil_div(m, spec.rows), bwd_blocks_per_sm(spec.layout) * sm_count))

@@ -115,15 +115,16 @@ def _weights(dtype):
     return ["", dtype] + ([_dtypes.FLOAT32] if dtype != _dtypes.FLOAT32 else [])
 
 
-def bwd_variants(ns=BWD_REPRESENTATIVE_N):
+def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
     for dtype in _dtypes.ACTIVATION_DTYPES:
         for n in ns:
-            layout = _config.bwd_row_layout(n, dtype)
+            layout = _config.bwd_row_layout(n, dtype, vendor)
             for weight in _weights(dtype):
                 for vector in ([True, False] if n % layout.chunk == 0 else [False]):
                     for recompute in (False, True):
                         for dres in (False, True):
-                            spec = _config.bwd_spec(n, dtype, weight, vector, recompute, dres)
+                            spec = _config.bwd_spec(n, dtype, weight, vector, recompute, dres,
+                                                    vendor)
                             yield Variant("bwd", rmsnorm_bwd.make_rmsnorm_bwd, spec,
                                           rmsnorm_bwd.argtypes(spec))
     for weight in _dtypes.ACTIVATION_DTYPES:
@@ -136,4 +137,4 @@ def variants(vendor="cuda"):
     """Every variant a ``vendor`` ("cuda" or "hip") GPU may launch."""
     yield from fwd_variants(vendor=vendor)
     yield from fused_variants(vendor=vendor)
-    yield from bwd_variants()
+    yield from bwd_variants(vendor=vendor)
