@@ -18,7 +18,8 @@ time or one at a time, with a knob since removed and the kernel cache cleared pe
 ``before_fix`` / ``cache_wide`` / ``cache_narrow`` on 1024-thread rows of 2 chunks (float32
 N = 8192, 16-bit N = 16384: loads ahead of the reduction or not, cached or looped).  Session 13
 ran ``narrow`` / ``wide`` (branch exp/wide2), ``hold_w`` / ``load_w`` and ``fp32_cached`` /
-``fp32_looped``.
+``fp32_looped``.  Session 14 ran ``narrow`` / ``one_block`` (1024-thread rows as 512 x 2 in one
+block per SM; the first run with an earlier form of the knob), ``two_chunk`` and ``mid``.
 """
 import argparse
 import json

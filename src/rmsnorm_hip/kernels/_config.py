@@ -198,7 +198,8 @@ def fwd_programs(spec, m, sm_count, resident_per_sm):
 # One 128-bit chunk of x and of dy per thread per row (K=1 up to 1024 threads): x, dy, the cached
 # weight and the dweight partial then take 4 x 8 floats for 16-bit data.  research/numba-probe/
 # BACKWARD.md (H200): N=4096 bf16 with 512 threads at 2 blocks per SM and N=8192 with 1024 threads
-# reached 95% / 94% of copy; 128-thread blocks with 4 chunks each needed 168 registers.
+# reached 95% / 94% of copy; 128-thread blocks with 4 chunks each needed 168 registers.  (On CUDA
+# the 1024-thread rows now take 2 chunks at 512 threads: BWD_TWO_CHUNK_MIN_THREADS.)
 BWD_MAX_CACHED_FLOATS = 16       # per array (x, dy, weight, dweight partial) and thread
 BWD_LOOPED_THREADS = 512         # threads per row of the looped (uncached) backward layouts
 BWD_BLOCKS_PER_SM = 2            # programs per SM for 512-thread rows (BACKWARD.md: P = 2 x SMs)
