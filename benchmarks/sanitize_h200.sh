@@ -12,7 +12,7 @@
 #   memcheck   the full matrix (out-of-bounds / misaligned accesses)
 #   racecheck  the quick matrix (shared-memory hazards of the row reductions; slow tool)
 # TOOLS="memcheck racecheck initcheck synccheck" adds initcheck (full matrix) and synccheck
-# (quick). Writes $OUT/sanitizer_summary.json (errors per tool, exit codes, the matrix's own
+# (quick); MATRIX_FULL / MATRIX_QUICK name other matrix modes for them (bwd, bwd_quick). Writes $OUT/sanitizer_summary.json (errors per tool, exit codes, the matrix's own
 # check result) and one log per run ($OUT defaults to benchmarks/results/sanitize_<date>).
 # Exit status 0 when the control was detected and every tool reported 0 errors and every check
 # passed. About 5-6 minutes on an H200 (most of it numba compiling ~150 kernel variants per run).
@@ -63,8 +63,8 @@ run() {   # run NAME TOOL MODE
 run control memcheck control
 for tool in $TOOLS; do
     case "$tool" in
-        memcheck|initcheck) run "$tool" "$tool" full ;;
-        racecheck|synccheck) run "$tool" "$tool" quick ;;
+        memcheck|initcheck) run "$tool" "$tool" "${MATRIX_FULL:-full}" ;;
+        racecheck|synccheck) run "$tool" "$tool" "${MATRIX_QUICK:-quick}" ;;
         *) echo "unknown tool $tool (memcheck, racecheck, initcheck, synccheck)" >&2 ;;
     esac
 done

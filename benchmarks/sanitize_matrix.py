@@ -33,9 +33,13 @@ DTYPES = ("float32", "float16", "bfloat16")
 UNALIGNED = Layout(1, 7)            # starts one element past a 16-byte boundary: scalar path
 ALIGNED = Layout(8, 8)              # 16-byte aligned starts and strides: vector path (N % 8 == 0)
 MODES = {
-    # mode: (dtypes, Ns, layouts, M for the forward variants, M for the backward)
-    "full": (DTYPES, (1, 3, 127, 4096, 4097, 65537), (UNALIGNED, ALIGNED), 5, 300),
-    "quick": (("bfloat16", "float32"), (3, 127, 4096, 4097, 65537), (ALIGNED,), 3, 40),
+    # mode: (dtypes, Ns, layouts, M for the forward variants, M for the backward, ops or None)
+    "full": (DTYPES, (1, 3, 127, 4096, 4097, 65537), (UNALIGNED, ALIGNED), 5, 300, None),
+    "quick": (("bfloat16", "float32"), (3, 127, 4096, 4097, 65537), (ALIGNED,), 3, 40, None),
+    # the backward's rows of two chunks a thread on CUDA (16-bit N = 8192, float32 N = 4096) and
+    # those one element short of them, several rows a program
+    "bwd": (DTYPES, (4095, 4096, 8190, 8192), (UNALIGNED, ALIGNED), 5, 300, ("bwd",)),
+    "bwd_quick": (("bfloat16", "float32"), (4096, 8192), (ALIGNED,), 3, 300, ("bwd",)),
 }
 
 
@@ -47,7 +51,7 @@ STREAM_N, STREAM_M = 4096, 1500
 
 def case(op, dtype, n, layout, m, m_bwd, quant="int8"):
     if op == "bwd":             # several programs of the persistent grid; 40 looped rows
-        m = m_bwd if n <= 4097 else 40
+        m = m_bwd if n <= 16384 else 40
     elif n == STREAM_N and layout is ALIGNED:
         m = STREAM_M
     return Case(op=op, dtype=dtype, lead=(m,), n=n, eps=1e-6,
@@ -60,11 +64,11 @@ def case(op, dtype, n, layout, m, m_bwd, quant="int8"):
 
 
 def matrix(mode, lib_names):
-    dtypes, ns, layouts, m, m_bwd = MODES[mode]
+    dtypes, ns, layouts, m, m_bwd, ops = MODES[mode]
     for dtype in dtypes:
         for n in ns:
             for layout in layouts:
-                for op in OPS:
+                for op in ops or OPS:
                     quant = "float8_e4m3fn" if (n + len(op)) % 2 else "int8"
                     yield lib_names[0], case(op, dtype, n, layout, m, m_bwd, quant)
     if mode == "full" and "cupy" in lib_names:       # uint16 storage and float8 as uint8 bits
@@ -102,7 +106,7 @@ def control():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=["full", "quick", "control"], default="full")
+    parser.add_argument("--mode", choices=[*MODES, "control"], default="full")
     parser.add_argument("--lib", choices=["torch", "numpy"], default="torch",
                         help="numpy: the CPU backend, to smoke-test this driver without a GPU")
     args = parser.parse_args()

@@ -67,6 +67,11 @@ SETTINGS = {
     "two_chunk": {"BWD_TWO_CHUNK_MIN_THREADS": {"cuda": 512, "hip": None}},
     # rows of 576-1024 threads (16-bit N = 4097-8192) as two chunks, N = 4096 as before
     "mid": {"BWD_TWO_CHUNK_MIN_THREADS": {"cuda": 576, "hip": None}},
+    # the backward grid's programs per SM (kernels/_config.BWD_BLOCKS_PER_SM caps them): 2 as
+    # shipped, or 1 (with --unaligned: the scalar 16-bit N = 4096 kernels, which fit one block
+    # per SM, ran 132 programs before session 14 and run 264 since)
+    "blocks_two": {"BWD_BLOCKS_PER_SM": 2},
+    "blocks_one": {"BWD_BLOCKS_PER_SM": 1},
     # the dweight reduction: row groups per block x loads batched per thread
     "reduce_g8_b4": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 4},
     "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},
@@ -90,6 +95,8 @@ def main():
     ap.add_argument("--shapes", default="", help="MxN,... (default: SHAPES)")
     ap.add_argument("--flush", default="write", help="L2 flush: write (the benchmark's) or read")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
+    ap.add_argument("--unaligned", action="store_true",
+                    help="rows one element off 16 bytes: the scalar kernels")
     args = ap.parse_args()
 
     import torch
@@ -111,6 +118,10 @@ def main():
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         dy = torch.randn_like(x)
         dres = torch.randn_like(x) if args.dres else None
+        if args.unaligned:
+            x, dy, dres = (None if a is None else
+                           torch.empty(m, n + 1, device="cuda", dtype=dtype)[:, 1:].copy_(a)
+                           for a in (x, dy, dres))
         w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
         rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
         w = None if args.no_weight else w
@@ -138,9 +149,11 @@ def main():
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     name = (f"tune_bwd{'_dres' if args.dres else ''}{'_noweight' if args.no_weight else ''}"
+            f"{'_unaligned' if args.unaligned else ''}"
             f"{'' if args.dtype == 'bfloat16' else '_' + args.dtype}{args.tag}.json")
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(dict(copy_gbps=copy, dres=args.dres, dtype=args.dtype, flush=args.flush,
+                       unaligned=args.unaligned,
                        weight=not args.no_weight,
                        rows=rows), f, indent=1)
 

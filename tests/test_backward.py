@@ -265,8 +265,10 @@ def test_loads_ahead_and_held_weight_only_where_they_fit(dtype, n, vendor, threa
     assert (layout.threads, layout.chunks_per_thread, layout.cached) == (threads, chunks, True)
     blocks = _config.bwd_blocks_per_sm(layout)
     assert blocks == (2 if threads * chunks <= 512 else 1)
+    # AMD keeps its backend's estimate: the blocks a CU's 2048 threads hold, at most two
+    programs = 132 * (blocks if vendor == "cuda" else 2)
     assert _config.bwd_programs(_config.bwd_spec(n, dtype, dtype, True, False, False, vendor),
-                                1 << 20, 132) == 132 * blocks
+                                1 << 20, 132, vendor) == programs
     for dres in (False, True):
         packed = _config.bwd_spec(n, dtype, dtype, True, False, dres, vendor)
         assert packed.layout == layout and packed.packed
@@ -297,23 +299,41 @@ def test_programs_do_not_depend_on_the_variant(vendor):
             continue
         spec = variant.spec
         for m in (1, 7, 131, 133, 333, 4096, 1 << 20):
-            got = _config.bwd_programs(spec, m, 132)
+            got = _config.bwd_programs(spec, m, 132, vendor)
             assert programs.setdefault((spec.layout.n, spec.dtype, m), got) == got, spec
-    assert programs[8192, "bfloat16", 4096] == 132
+    assert programs[8192, "bfloat16", 4096] == (132 if vendor == "cuda" else 264)
     assert programs[4096, "bfloat16", 4096] == 264 and programs[4096, "bfloat16", 7] == 7
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("dtype,weight", [("bfloat16", "bfloat16"), ("float16", FLOAT32)])
+def test_sim_grid_ignores_the_kernels_occupancy(use_backend, monkeypatch):
+    """The backend sizes the backward grid without asking how many blocks of the variant fit: a
+    scalar kernel that fits fewer than its vector twin (more registers) still runs as many
+    programs, so a row-strided call sums dweight's partial rows as its contiguous copy does."""
+    be = use_backend("sim")
+    fits = iter(range(1, 1000))
+    monkeypatch.setattr(be, "resident_per_sm", lambda kernel, threads: next(fits))
+    functional.forget_plans()
+    for n, dtype in ((1000, FLOAT32), (4096, "bfloat16")):
+        grids = {be._bwd_launch_shape((n, dtype, dtype, vector, False, False), 333)[1]
+                 for vector in (True, False)}
+        assert len(grids) == 1, grids
+    functional.forget_plans()
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,weight,n", [("bfloat16", "bfloat16", 1000),
+                                            ("float16", FLOAT32, 1000),
+                                            ("bfloat16", FLOAT32, 1021)], ids=str)
 def test_sim_two_chunk_rows_keep_words_in_both_forms(rng, use_backend, monkeypatch, dtype,
-                                                     weight):
+                                                     weight, n):
     """16-bit rows of two chunks a thread keep x and dy as words in the vector form and in the
     scalar (unaligned) one, which reads them an element at a time.  Two forms of such rows ship:
     N = 8192 on CUDA (512 threads with 128 registers: the next row's words and dresidual's loaded
     ahead, the weight held) and N = 16384 (1024 threads with 64: none of these, the weight loaded
     with each chunk).  Here both run shrunk to 64 threads at N = 1000: aligned and unaligned
     rows and the two forms give the same bits, which match float64; with dresidual and with
-    rstd recomputed."""
+    rstd recomputed.  N = 1021 ends in a partial chunk: both of its forms are scalar."""
     be = use_backend("sim")
     monkeypatch.setattr(_config, "bwd_row_layout", lambda n, dt, vendor="cuda": _config._layout(
         n, dt, 2, _config.BWD_MAX_CACHED_FLOATS, 64))
@@ -323,7 +343,7 @@ def test_sim_two_chunk_rows_keep_words_in_both_forms(rng, use_backend, monkeypat
         return dataclasses.replace(real(*args, **kwargs), prefetch=False, early_dres=False,
                                    prefetch_rstd=False, hold_weight=False)
 
-    m, n = 7, 1000
+    m = 7
     # each array twice: rows at 16-byte offsets (vector) and one element off them (scalar)
     pairs = []
     for _ in range(3):
@@ -343,7 +363,7 @@ def test_sim_two_chunk_rows_keep_words_in_both_forms(rng, use_backend, monkeypat
                     outs[form, vector] = rms_norm_backward(args[0], args[1], w, r,
                                                            dresidual=args[2])
                     spec = _ran(be)
-                    assert spec.vector == vector and spec.packed
+                    assert spec.vector == (vector and n % 8 == 0) and spec.packed
                     assert spec.layout.threads == 64 and spec.layout.chunks_per_thread == 2
                     ahead = form == "ahead"
                     assert spec.hold_weight == ahead

@@ -90,25 +90,34 @@ def test_backward_dresidual_and_offset(poisoned, m, n, dtype):
     assert_dweight(host(dw), ref_dw, dtype)
 
 
-@pytest.mark.parametrize("n", [4096, 8192])
+# the rows of two chunks a thread on CUDA (16-bit N = 8192, float32 N = 4096: the next row and
+# dresidual loaded ahead, the weight held), one element short of them (a partial last chunk),
+# and the 512-thread rows of one chunk (16-bit N = 4096) whose scalar kernel fits fewer blocks
+@pytest.mark.parametrize("n", [4096, 4095, 8192, 8190])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("given_rstd", [True, False], ids=["rstd", "recompute"])
 def test_row_strided_backward_is_its_contiguous_copys(dtype, n, given_rstd):
     """Rows one element off 16 bytes (the scalar kernels) give bitwise the contiguous copy's dx
     and dweight (API.md), at an M past two programs an SM: the programs' partial rows are
     dweight's summation order, and the scalar and vector kernels once ran different numbers of
-    them (264 and 132 at 16-bit N = 4096 on an H200)."""
+    them (264 and 132 at 16-bit N = 4096 on an H200).  Both within float64's tolerances."""
     m = 333
     _, x, w = inputs(m, n, dtype, dtype)
     dy = torch.randn(m, n, device="cuda", dtype=TORCH[dtype])
     dres = torch.randn(m, n, device="cuda", dtype=TORCH[dtype])
-    rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1] if given_rstd else None
+    rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
+    given = rstd if given_rstd else None
     for dresidual in (None, dres):
-        dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dresidual)
+        dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w, given, dresidual=dresidual)
         dxu, dwu = rmsnorm_hip.rms_norm_backward(
-            misaligned_copy(dy), misaligned_copy(x), w, rstd,
+            misaligned_copy(dy), misaligned_copy(x), w, given,
             dresidual=None if dresidual is None else misaligned_copy(dresidual))
         assert torch.equal(raw(dxu), raw(dx)) and torch.equal(raw(dwu), raw(dw))
+        ref_dx, ref_dw = reference.rms_norm_backward_ref(
+            host(dy), host(x), host(w), rstd.cpu().numpy(),
+            dresidual=None if dresidual is None else host(dresidual))
+        assert_dx(host(dx), host(dy), host(x), host(w), rstd.cpu().numpy(), ref_dx, dtype)
+        assert_dweight(host(dw), ref_dw, dtype)
 
 
 def test_dweight_accuracy_many_rows():

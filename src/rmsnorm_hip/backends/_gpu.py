@@ -221,7 +221,7 @@ class GpuBackend:
         """(kernel, grid, block, dweight reduction kernel, its grid, its block, workspace rows)
         of a backward call of ``m`` rows."""
         spec, kernel, reduce, reduce_spec = self._bwd_plans.get(key) or self._bwd_plan(key)
-        programs = _config.bwd_programs(spec, m, self.sm_count)
+        programs = _config.bwd_programs(spec, m, self.sm_count, self.vendor)
         columns, groups = reduce_spec.columns, reduce_spec.groups
         return (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1), reduce,
                 ((spec.layout.n + columns - 1) // columns, 1, 1), (columns, groups, 1),

@@ -45,7 +45,7 @@ class SimBackend(GpuBackend):
                                                strides=(host.itemsize,))
 
     def resident_per_sm(self, kernel, block_threads):
-        return 2   # two programs on the one simulated SM: rows are walked with a stride
+        return 2   # two streamed forward programs on the simulated SM: rows walked with a stride
 
     def stream_for(self, info):
         return 0

@@ -202,7 +202,8 @@ def fwd_programs(spec, m, sm_count, resident_per_sm):
 # the 1024-thread rows now take 2 chunks at 512 threads: BWD_TWO_CHUNK_MIN_THREADS.)
 BWD_MAX_CACHED_FLOATS = 16       # per array (x, dy, weight, dweight partial) and thread
 BWD_LOOPED_THREADS = 512         # threads per row of the looped (uncached) backward layouts
-BWD_BLOCKS_PER_SM = 2            # programs per SM for 512-thread rows (BACKWARD.md: P = 2 x SMs)
+BWD_BLOCKS_PER_SM = 2            # programs per SM for 512-thread rows of one chunk (BACKWARD.md:
+                                 # P = 2 x SMs); at most, see bwd_blocks_per_sm
 # dweight reduction: blocks of 32 columns (one 128-byte line per warp row) x BWD_REDUCE_GROUPS
 # row groups; each thread loads BWD_REDUCE_BATCH of its rows before adding them (in row order).
 # H200, N = 4096 bf16, P = 264: 8 groups with the compiler's unroll by 4 (33 rows a thread) took
@@ -268,7 +269,8 @@ def bwd_row_layout(n, dtype, vendor="cuda"):
     two_chunks = BWD_TWO_CHUNK_MIN_THREADS[vendor]
     if (two_chunks is not None and layout.cached and layout.chunks_per_thread == 1
             and layout.threads >= two_chunks):
-        layout = _layout(n, dtype, 2, BWD_MAX_CACHED_FLOATS, layout.threads // 2)
+        # half the threads, whole 64-lane wavefronts (a tuned threshold may not be a multiple)
+        layout = _layout(n, dtype, 2, BWD_MAX_CACHED_FLOATS, 64 * ceil_div(layout.threads, 128))
     if not layout.cached:
         layout = _layout(n, dtype, 1, BWD_MAX_CACHED_FLOATS, BWD_LOOPED_THREADS)
     return layout
@@ -304,7 +306,8 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda")
     # registers (4 B spilled, ptxas 13.5, N = 4096 bf16 with weight): that pair goes without
     both = recompute_rstd and dresidual
     # a thread's registers in units of 64: 2 where its SM holds 512 threads of these rows
-    budget = max(1, 1024 // (layout.threads * bwd_blocks_per_sm(layout)))
+    block = layout.threads * rows_per_block(layout)
+    budget = max(1, 1024 // (block * bwd_blocks_per_sm(layout)))
     ahead = layout.chunks_per_thread <= BWD_PREFETCH_MAX_CHUNKS * budget
     prefetch = packed and BWD_PREFETCH and not both and ahead
     if packed:
@@ -312,8 +315,8 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda")
                        or layout.chunks_per_thread <= BWD_HOLD_WEIGHT_MAX_CHUNKS * budget)
     else:
         # unpacked (scalar-access) 1024-thread rows hold x and dy as floats: with dresidual and
-        # the weight held too they spilled 8-28 B (ptxas 13.0, N = 8192); they load it with
-        # each chunk
+        # the weight held too they spilled 8-28 B (ptxas 13.0, N = 8192 as 1024 x 1, which AMD
+        # keeps; float32 N = 8192 is such a row on CUDA too); they load it with each chunk
         hold_weight = not (dresidual and layout.threads >= 1024)
     return BwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
@@ -327,10 +330,11 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda")
 def launch_bounds(spec):
     """(max threads per block, min blocks per SM) a kernel declares to CUDA (__launch_bounds__),
     or (None, None).  Backward kernels: their block size, so ptxas keeps a 1024-thread block
-    within 64 registers (else the launch fails); and BWD_BLOCKS_PER_SM for the packed rows, which
-    fit 64 registers at 512 threads without spilling (ptxas 13.5, every variant; left free, it
-    gave the dresidual forms 81-101 and so one block per SM).  Forward kernels stay free: with a
-    bound alone ptxas squeezed the looped 1024-thread forward to 32 registers and spilled."""
+    within 64 registers (else the launch fails); and for packed rows bwd_blocks_per_sm where it
+    is 2: 512-thread rows of one chunk fit 64 registers without spilling (ptxas 13.5, every
+    variant; left free, it gave the dresidual forms 81-101 and so one block per SM), while 512 x
+    2 rows ask no minimum and take up to 128.  Forward kernels stay free: with a bound alone
+    ptxas squeezed the looped 1024-thread forward to 32 registers and spilled."""
     if not isinstance(spec, BwdSpec):
         return None, None
     threads = spec.layout.threads * spec.rows
@@ -339,11 +343,12 @@ def launch_bounds(spec):
 
 
 def bwd_blocks_per_sm(layout):
-    """Backward programs per SM for rows of this layout: up to 1024 chunks of cached rows per SM
-    (64 registers a thread; a 1024-thread block asked to fit twice got 32 registers and spilled
-    100 bytes, ptxas, N = 8192 bf16), at most BWD_BLOCKS_PER_SM."""
+    """Backward blocks per SM for rows of this layout on CUDA: up to 1024 chunks of cached rows per
+    SM (64 registers a thread; a 1024-thread block asked to fit twice got 32 registers and
+    spilled 100 bytes, ptxas, N = 8192 bf16), at most BWD_BLOCKS_PER_SM."""
     chunks = layout.chunks_per_thread if layout.cached else 1
-    return max(1, min(BWD_BLOCKS_PER_SM, 1024 // (layout.threads * chunks)))
+    block = layout.threads * rows_per_block(layout)
+    return max(1, min(BWD_BLOCKS_PER_SM, 1024 // (block * chunks)))
 
 
 @dataclass(frozen=True)
@@ -360,12 +365,19 @@ def reduce_spec(weight):
                       batch=BWD_REDUCE_BATCH)
 
 
-def bwd_programs(spec, m, sm_count):
-    """Programs of the persistent backward grid: bwd_blocks_per_sm per SM, and no more than there
-    are blocks of rows.  A function of the layout, M and the device only, not of the variant:
-    the programs' partial rows are dweight's summation order, so a row-strided (scalar) call
-    must sum them as its contiguous copy's (vector) call does (API.md: bitwise the same).  It
-    once asked the driver how many blocks of the variant fit: at 16-bit N = 4096 the vector
-    kernel fits two (64 registers) and the scalar one (80-97) one, 264 against 132 programs on
-    an H200.  A variant that fits fewer runs its programs in more than one wave."""
-    return max(1, min(ceil_div(m, spec.rows), bwd_blocks_per_sm(spec.layout) * sm_count))
+def bwd_programs(spec, m, sm_count, vendor="cuda"):
+    """Programs of the persistent backward grid on a ``vendor`` GPU of ``sm_count`` SMs / CUs:
+    a number per SM from the layout, and no more than there are blocks of rows.  A function of
+    the layout, M and the device only, not of the variant: the programs' partial rows are
+    dweight's summation order, so a row-strided (scalar) call must sum them as its contiguous
+    copy's (vector) call does (API.md: bitwise the same).  On CUDA it once came from the
+    driver's occupancy for each kernel: at 16-bit N = 4096 the vector kernel fits two blocks
+    (64 registers) and the scalar one (80-97) one, 264 against 132 programs on an H200.  A
+    variant that fits fewer blocks runs its programs in more than one wave.  AMD keeps the
+    estimate its backend always made (there is no occupancy query there): as many blocks as a
+    CU's 2048 threads hold, at most BWD_BLOCKS_PER_SM."""
+    if vendor == "hip":
+        per_sm = max(1, min(BWD_BLOCKS_PER_SM, 2048 // (spec.layout.threads * spec.rows)))
+    else:
+        per_sm = bwd_blocks_per_sm(spec.layout)
+    return max(1, min(ceil_div(m, spec.rows), per_sm * sm_count))
