@@ -72,6 +72,10 @@ SETTINGS = {
     # per SM, ran 132 programs before session 14 and run 264 since)
     "blocks_two": {"BWD_BLOCKS_PER_SM": 2},
     "blocks_one": {"BWD_BLOCKS_PER_SM": 1},
+    # 16-bit scalar (unaligned) rows of one chunk a thread kept as words (packed; two 512-thread
+    # blocks per SM fit) or as floats (one fits); with --unaligned
+    "scalar_words": {"BWD_PACK_SCALAR_MIN_CHUNKS": {"cuda": 1, "hip": 2}},
+    "scalar_floats": {"BWD_PACK_SCALAR_MIN_CHUNKS": {"cuda": 2, "hip": 2}},
     # the dweight reduction: row groups per block x loads batched per thread
     "reduce_g8_b4": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 4},
     "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},

@@ -245,6 +245,14 @@ BWD_HOLD_WEIGHT_MAX_CHUNKS = 1
 # 1024x8192 56.0 / 56.3.  The dresidual form lost 9-19 points with it (..._dres_rstd_scalar_ws
 # .json; ptxas 13.5 gives that form 62 registers and no spills: cause not established)
 BWD_PREFETCH_RSTD = True
+# 16-bit scalar (unaligned) rows of at least this many chunks a thread keep x and dy as words,
+# per vendor.  At one chunk (16-bit N = 4096 unaligned) the words would let two 512-thread blocks
+# share an SM as the vector kernel's do (ptxas 13.0: 56-64 registers, no spills, under the
+# 2-block bound), where as floats they take 80-97 and one fits: since the grid no longer follows
+# the kernel's occupancy (bwd_programs) those rows run 264 programs in two waves, 4-10% slower
+# than 132 at small M (H200, results/tune_h200_20261130_s14/tune_bwd_unaligned.json).  Not
+# measured at one chunk yet (tune_bwd --unaligned scalar_words / scalar_floats), so not changed
+BWD_PACK_SCALAR_MIN_CHUNKS = {"cuda": 2, "hip": 2}
 # rows of one chunk a thread over at least this many threads (per vendor; None: never) take two
 # chunks a thread at half the threads, with at most 1024 chunks of rows per SM as before: one
 # block per SM of 512 threads with 128 registers each, so the weight is held and the next row
@@ -254,7 +262,7 @@ BWD_PREFETCH_RSTD = True
 #   4096x8192 58.2, 58.3 / 57.3, 57.6; 2048x8192 33.5, 33.6 / 34.2, 34.0; 1024x8192 20.9,
 #   20.7 / 20.0, 20.1; dresidual 8192x8192 134.9, 134.6 / 133.4, 133.5, 1024x8192 24.6, 24.5 /
 #   23.7, 23.4; float32 4096x4096 55.9, 55.8 / 54.8, 55.2; dx alone 8192x8192 102.5 / 100.7.
-# Rows of 576-960 threads (N = 4608-7680 16-bit) measured level either way, and 16-bit N = 4096
+# Rows of 576-960 threads (N = 4097-7680 16-bit) measured level either way, and 16-bit N = 4096
 # as 256 x 2 (two blocks per SM) 1-2.5% slower at every M: they keep one chunk.  AMD: not
 # measured, so not changed
 BWD_TWO_CHUNK_MIN_THREADS = {"cuda": 1024, "hip": None}
@@ -301,7 +309,8 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda")
     # N = 16384).  The words are read one element at a time and decoded as the vector form's
     # are: the same floats, so the same bits
     packed = layout.cached and (BWD_PACK_16BIT if itemsize == 2 else BWD_PACK_32BIT) and (
-        vector or (itemsize == 2 and layout.chunks_per_thread >= 2))
+        vector or (itemsize == 2
+                   and layout.chunks_per_thread >= BWD_PACK_SCALAR_MIN_CHUNKS[vendor]))
     # with rstd recomputed and dresidual too, the prefetch words take the kernel past 64
     # registers (4 B spilled, ptxas 13.5, N = 4096 bf16 with weight): that pair goes without
     both = recompute_rstd and dresidual
