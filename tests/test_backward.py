@@ -244,7 +244,8 @@ def test_sim_weight_loaded_per_chunk_gives_the_held_bits(rng, use_backend, monke
 # in 512-thread blocks of 128 registers (CUDA's N = 8192 16-bit and N = 4096 float32: the next
 # row and dresidual loaded ahead, the weight held), and of two in 1024-thread blocks of 64
 # registers (neither; 16-bit rows load their weight per chunk)
-LAYOUT_FORMS = [("bfloat16", 4096, "cuda", 512, 1, True), ("bfloat16", 6144, "cuda", 768, 1, True),
+LAYOUT_FORMS = [("bfloat16", 4096, "cuda", 512, 1, True),
+                ("bfloat16", 6144, "cuda", 768, 1, True),
                 ("bfloat16", 8192, "cuda", 512, 2, True), ("float32", 4096, "cuda", 512, 2, True),
                 ("bfloat16", 8192, "hip", 1024, 1, True), ("float32", 4096, "hip", 1024, 1, True),
                 ("float32", 8192, "cuda", 1024, 2, False),

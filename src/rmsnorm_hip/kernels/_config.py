@@ -314,9 +314,7 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda")
     # with rstd recomputed and dresidual too, the prefetch words take the kernel past 64
     # registers (4 B spilled, ptxas 13.5, N = 4096 bf16 with weight): that pair goes without
     both = recompute_rstd and dresidual
-    # a thread's registers in units of 64: 2 where its SM holds 512 threads of these rows
-    block = layout.threads * rows_per_block(layout)
-    budget = max(1, 1024 // (block * bwd_blocks_per_sm(layout)))
+    budget = _bwd_register_units(layout)
     ahead = layout.chunks_per_thread <= BWD_PREFETCH_MAX_CHUNKS * budget
     prefetch = packed and BWD_PREFETCH and not both and ahead
     if packed:
@@ -356,8 +354,17 @@ def bwd_blocks_per_sm(layout):
     SM (64 registers a thread; a 1024-thread block asked to fit twice got 32 registers and
     spilled 100 bytes, ptxas, N = 8192 bf16), at most BWD_BLOCKS_PER_SM."""
     chunks = layout.chunks_per_thread if layout.cached else 1
-    block = layout.threads * rows_per_block(layout)
-    return max(1, min(BWD_BLOCKS_PER_SM, 1024 // (block * chunks)))
+    return max(1, min(BWD_BLOCKS_PER_SM, 1024 // (_block_threads(layout) * chunks)))
+
+
+def _block_threads(layout):
+    return layout.threads * rows_per_block(layout)
+
+
+def _bwd_register_units(layout):
+    """A thread's registers in units of 64 (1024 threads' worth per SM): 2 where its SM holds 512
+    threads of these rows, 1 where it holds 1024."""
+    return max(1, 1024 // (_block_threads(layout) * bwd_blocks_per_sm(layout)))
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # passes as the loaded words (4 registers per chunk instead of 8 floats), re-decoded in
     # pass 2; with the weight and the dweight partial that is 24 registers of row state per
     # thread, which lets two 512-thread blocks share an SM (research/numba-probe/BACKWARD.md:
-    # 95% of copy at 32768x4096 with 2 blocks per SM, 76% with 1).  The float32 operations are the same either
-    # way: packed and unpacked rows give the same bits.
+    # 95% of copy at 32768x4096 with 2 blocks per SM, 76% with 1).  The float32 operations are
+    # the same either way: packed and unpacked rows give the same bits.
     packed = spec.packed
     words = per_thread * 4 if packed else 1
     # prefetch (packed rows): the next row's words are loaded before this row's reduction, so
