@@ -4,7 +4,8 @@ would contend with), bf16 x of M x N:
     ncu --clock-control none -k regex:rmsnorm -s 2 -c 1 --section WarpStateStats \\
         python3 benchmarks/ncu_ops.py bwd 4096 4096
 
-ops: fwd, fused, quant (SmoothQuant int8), bwd, bwd_dres
+ops: fwd, fused, quant (SmoothQuant int8), bwd, bwd_dres; a fourth argument ``offset`` puts every
+row one element past 16 bytes (views of (M, N + 1) buffers: the scalar kernels)
 """
 import sys
 
@@ -15,8 +16,14 @@ def main():
     import rmsnorm_hip
 
     op, m, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    other = torch.randn_like(x)
+    offset = sys.argv[4:] == ["offset"]
+
+    def rows():
+        if offset:
+            return torch.empty(m, n + 1, device="cuda", dtype=torch.bfloat16)[:, 1:].normal_()
+        return torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = rows()
+    other = rows()
     w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
     xscale = (1 + 0.1 * torch.rand(n, device="cuda"))
     rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]

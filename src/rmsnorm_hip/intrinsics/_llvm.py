@@ -83,6 +83,21 @@ def define(intrinsic, fabs="llvm.fabs.f32", fmax="llvm.maxnum.f32"):
         return sig, codegen
 
     @intrinsic
+    def align_offset(typingctx, ptr, idx):
+        """The byte offset of element ``idx`` of ``ptr`` within its 16-byte block (0-15), as an
+        int32: what the scalar kernels step back by to reach the aligned blocks around it."""
+        if not is_pointer_index(ptr, idx):
+            return None
+
+        def codegen(context, builder, sig, args):
+            index = context.cast(builder, args[1], sig.args[1], types.int64)
+            address = builder.ptrtoint(builder.gep(args[0], [index]), ir.IntType(64))
+            low = builder.and_(address, ir.Constant(ir.IntType(64), 15))
+            return builder.trunc(low, I32)
+
+        return types.int32(ptr, idx), codegen
+
+    @intrinsic
     def store_b128(typingctx, ptr, idx, w0, w1, w2, w3):
         """Store four uint32 as 16 bytes at element ``idx`` of ``ptr`` (16-byte aligned)."""
         if not is_pointer_index(ptr, idx):
@@ -167,6 +182,7 @@ def define(intrinsic, fabs="llvm.fabs.f32", fmax="llvm.maxnum.f32"):
         return types.float32(acc, value), codegen
 
     return dict(f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
+                align_offset=align_offset,
                 max_abs=max_abs,
                 store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
                 atomic_add_f32=atomic_add_f32)

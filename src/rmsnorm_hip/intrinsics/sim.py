@@ -86,12 +86,25 @@ def max_abs_nan(acc, value):
     return np.maximum(np.float32(acc), np.abs(np.float32(value)))   # NaN wins
 
 
+def _address(ptr, idx):
+    """The host address of element ``idx`` of a kernel's flat array (the simulator's pointer)."""
+    return ptr.__array_interface__["data"][0] + int(idx) * ptr.dtype.itemsize
+
+
 def _check_aligned(ptr, idx, nbytes=16):
-    # the kernel's flat arrays start at 16-byte aligned pointers whenever the vector path runs,
-    # so an access of nbytes must sit at a multiple of nbytes from their start
-    if (int(idx) * ptr.dtype.itemsize) % nbytes:
+    # as the hardware requires: an access of nbytes at an address that is a multiple of nbytes
+    # (the flat arrays are views of the caller's memory from its first element, so a row-strided
+    # or offset array's accesses are checked where they really fall)
+    if _address(ptr, idx) % nbytes:
         raise AssertionError(f"misaligned {8 * nbytes}-bit access at element {idx} of a "
                              f"{ptr.dtype} array")
+    if not (0 <= int(idx) and int(idx) + nbytes // ptr.dtype.itemsize <= ptr.size):
+        raise AssertionError(f"{8 * nbytes}-bit access at element {idx} outside a "
+                             f"{ptr.size}-element {ptr.dtype} array")
+
+
+def align_offset(ptr, idx):
+    return np.int32(_address(ptr, idx) % 16)
 
 
 def load_b128(ptr, idx):
@@ -161,6 +174,7 @@ def build(warp):
     return SimpleNamespace(name="sim", warp=warp, shared_alignment=16,
                            gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
+                           align_offset=align_offset,
                            max_abs=max_abs, max_abs_nan=max_abs_nan,
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
                            atomic_add_f32=atomic_add_f32, **vars(shared))

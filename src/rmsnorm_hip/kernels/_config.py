@@ -245,13 +245,32 @@ BWD_HOLD_WEIGHT_MAX_CHUNKS = 1
 # 1024x8192 56.0 / 56.3.  The dresidual form lost 9-19 points with it (..._dres_rstd_scalar_ws
 # .json; ptxas 13.5 gives that form 62 registers and no spills: cause not established)
 BWD_PREFETCH_RSTD = True
+# scalar (any-alignment) kernels move a 16-byte span of a row that lies inside the row (not a
+# row's first span, nor its last one or two) as aligned accesses: loaded as the two aligned
+# 16-byte blocks around it, funnel-shifted into place, stored in the widest aligned pieces its
+# address allows (one 128-bit store when it is aligned, else 2-5).  The same elements land in the
+# same float32 slots as element-by-element access, so the same bits; what is read stays inside the
+# row (kernels/_rowops.ChunkIO).  False: element by element, as before session 15.  H200, bf16,
+# rows one element past 16 bytes (a view of an (M, N + 1) buffer) / contiguous N - 1, % of copy,
+# element by element -> shifted (results/tune_h200_20261201_s15/unaligned*.json; aligned rows
+# unchanged, every output bitwise the aligned call's):
+#   rms_norm 4096x4096 39 -> 53 / 26 -> 46, 32768x4096 45 -> 63 / 30 -> 52, 1024x8192 30 -> 48
+#   fused add 4096x4096 46 -> 60 / 27 -> 52, 32768x4096 51 -> 69 / 29 -> 56
+#   SmoothQuant int8 32768x4096 29 -> 39 / 28 -> 34 (the levels' stores as words too)
+#   backward 4096x4096 21 -> 26, 32768x4096 24 -> 29, 1024x8192 18 -> 29 / 17 -> 23
+SCALAR_SHIFTED_ACCESS = True
 # 16-bit scalar (unaligned) rows of at least this many chunks a thread keep x and dy as words,
 # per vendor.  At one chunk (16-bit N = 4096 unaligned) the words would let two 512-thread blocks
 # share an SM as the vector kernel's do (ptxas 13.0: 56-64 registers, no spills, under the
 # 2-block bound), where as floats they take 80-97 and one fits: since the grid no longer follows
 # the kernel's occupancy (bwd_programs) those rows run 264 programs in two waves, 4-10% slower
-# than 132 at small M (H200, results/tune_h200_20261130_s14/tune_bwd_unaligned.json).  Not
-# measured at one chunk yet (tune_bwd --unaligned scalar_words / scalar_floats), so not changed
+# than 132 at small M (H200, results/tune_h200_20261130_s14/tune_bwd_unaligned.json).  Measured
+# at one chunk with the shifted spans (SCALAR_SHIFTED_ACCESS, which words under the 2-block bound
+# have no registers for), bf16 % of copy, floats / words (tune_bwd --unaligned, two runs each,
+# results/tune_h200_20261201_s15/tune_bwd_unaligned.json): 4096x4096 26.7, 26.8 / 24.6, 24.6;
+# 1024x4096 21.3, 21.4 / 16.7, 16.7; 32768x4096 30.5, 30.5 / 27.6, 27.8.  Words with the next row
+# loaded ahead in one block (128 registers, shifted): 4096x4096 25.8, 32768x4096 28.6 against
+# floats' 26.3 / 29.3 in the same run (unaligned_quant_bwd.json).  Floats stay
 BWD_PACK_SCALAR_MIN_CHUNKS = {"cuda": 2, "hip": 2}
 # rows of one chunk a thread over at least this many threads (per vendor; None: never) take two
 # chunks a thread at half the threads, with at most 1024 chunks of rows per SM as before: one
@@ -347,6 +366,17 @@ def launch_bounds(spec):
     threads = spec.layout.threads * spec.rows
     blocks = bwd_blocks_per_sm(spec.layout) if spec.packed else 1
     return threads, (blocks if blocks > 1 else None)
+
+
+def scalar_shifted(spec):
+    """Whether a scalar kernel of ``spec`` moves the spans inside its rows as aligned blocks
+    (SCALAR_SHIFTED_ACCESS): not in backward blocks held to 64 registers a thread, where the
+    blocks' words spilled (ptxas 13.0, sm_90: 8-380 B in the float32 N = 8192 and the N = 16384
+    rows of 1024 threads), which stay element by element."""
+    if not SCALAR_SHIFTED_ACCESS:
+        return False
+    threads, blocks = launch_bounds(spec)
+    return threads is None or 65536 // (threads * (blocks or 1)) >= 128
 
 
 def bwd_blocks_per_sm(layout):

@@ -3,28 +3,33 @@ sum of squares, the per-row sum and max across the threads of a row, and the sto
 quantised to 8 bits.
 
 A chunk is ``layout.chunk`` consecutive elements (16 bytes of x).  The vector form reads it with
-128-bit accesses; the scalar form reads element by element (any alignment, a ragged last chunk is
-zero-filled).  Both fill the same float32 slots, so every float32 operation after the load is the
-same and a row gives bitwise the same result whichever form ran.
+128-bit accesses; the scalar form runs at any element alignment (a ragged last chunk is
+zero-filled): a 16-byte span inside the row as the two aligned blocks around it, funnel-shifted
+(``_config.SCALAR_SHIFTED_ACCESS``), the row's edges element by element.  Both fill the same
+float32 slots, so every float32 operation after the load is the same and a row gives bitwise the
+same result whichever form ran.
 """
-from numba import float32, int8, int32, uint8, uint16, uint32
+from numba import float32, int8, int32, uint8, uint16, uint32, uint64
 
 from .. import _dtypes
+from . import _config
 from ._config import CHUNK_BYTES, ceil_div
 
 
 class ChunkIO:
     """``load(ptr, start, col0, vals, slot)`` / ``store(...)`` of one chunk of ``chunk`` elements
     of ``dtype`` at ``ptr[start + col0 ...]``, into / from ``vals[slot ...]`` (float32).
+    ``shifted=False`` keeps a scalar form element by element (kernels whose registers are too
+    few for a span's two aligned blocks: _config.scalar_shifted).
 
     Both forms also have ``load_words(ptr, start, col0, words, at)``, the chunk kept as the four
     uint32 words of its 128-bit load (eight 16-bit elements in four registers; the scalar form
     reads the elements one at a time), and ``words_to_floats(w0, w1, w2, w3, vals, slot)``,
     which decodes them exactly as ``load`` does."""
 
-    def __init__(self, intr, dtype, chunk, n, vector):
+    def __init__(self, intr, dtype, chunk, n, vector, shifted=True):
         self.load, self.store, self.load_words, self.words_to_floats = _make_chunk_io(
-            intr, dtype, chunk, n, vector)
+            intr, dtype, chunk, n, vector, shifted)
 
 
 def codec(intr, dtype):
@@ -43,7 +48,7 @@ def codec(intr, dtype):
     return as_f32, as_f32, None
 
 
-def _make_chunk_io(intr, dtype, chunk, n, vector):
+def _make_chunk_io(intr, dtype, chunk, n, vector, shifted):
     jitable = intr.jitable
     itemsize = _dtypes.ITEMSIZE[dtype]
     n_vec = ceil_div(chunk * itemsize, CHUNK_BYTES)      # 128-bit accesses per chunk
@@ -99,10 +104,77 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
                 store_b128(ptr, start + col0, f32_as_u32(vals[slot]), f32_as_u32(vals[slot + 1]),
                            f32_as_u32(vals[slot + 2]), f32_as_u32(vals[slot + 3]))
     else:
+        align_offset = getattr(intr, "align_offset", None)
+        shifted = bool(shifted and _config.SCALAR_SHIFTED_ACCESS and align_offset is not None
+                       and load_b128)
+        store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
+        per_word = 4 // itemsize        # elements in a 32-bit word
+
+        @jitable
+        def inside(col):
+            """Whether the two aligned 16-byte blocks around the span at column ``col`` lie in
+            the row: it is not the row's first span (the block before may start before the
+            row) and a whole span follows it."""
+            return shifted and col > 0 and col + 2 * elems_per_vec <= n
+
+        @jitable
+        def funnel(lo, hi, bits):
+            return uint32(((uint64(hi) << uint64(32)) | uint64(lo)) >> uint64(bits))
+
+        @jitable
+        def span_words(ptr, idx):
+            """The 16 bytes at element ``idx`` (any element alignment) as four words, from the
+            two aligned 16-byte blocks around them."""
+            off = align_offset(ptr, idx)
+            if off == 0:        # an aligned array among unaligned ones (a weight, an output)
+                return load_b128(ptr, idx)
+            a0, a1, a2, a3 = load_b128(ptr, idx - off // itemsize)
+            b0, b1, b2, b3 = load_b128(ptr, idx - off // itemsize + elems_per_vec)
+            q = off >> 2
+            if q == 0:
+                c0, c1, c2, c3, c4 = a0, a1, a2, a3, b0
+            elif q == 1:
+                c0, c1, c2, c3, c4 = a1, a2, a3, b0, b1
+            elif q == 2:
+                c0, c1, c2, c3, c4 = a2, a3, b0, b1, b2
+            else:
+                c0, c1, c2, c3, c4 = a3, b0, b1, b2, b3
+            bits = (off & 3) * 8
+            return (funnel(c0, c1, bits), funnel(c1, c2, bits), funnel(c2, c3, bits),
+                    funnel(c3, c4, bits))
+
+        @jitable
+        def store_span(ptr, idx, w0, w1, w2, w3):
+            """Four words as the 16 bytes at element ``idx`` (any element alignment), in the
+            widest aligned pieces the address allows."""
+            off = align_offset(ptr, idx)
+            if off == 0:
+                store_b128(ptr, idx, w0, w1, w2, w3)
+            elif off == 8:
+                store_b64(ptr, idx, w0, w1)
+                store_b64(ptr, idx + 2 * per_word, w2, w3)
+            elif off & 3 == 0:
+                store_b32(ptr, idx, w0)
+                store_b64(ptr, idx + per_word, w1, w2)
+                store_b32(ptr, idx + 3 * per_word, w3)
+            elif half:      # 16-bit elements two bytes past a word
+                ptr[idx] = uint16(w0 & uint32(0xFFFF))
+                store_b32(ptr, idx + 1, (w0 >> uint32(16)) | (w1 << uint32(16)))
+                store_b32(ptr, idx + 3, (w1 >> uint32(16)) | (w2 << uint32(16)))
+                store_b32(ptr, idx + 5, (w2 >> uint32(16)) | (w3 << uint32(16)))
+                ptr[idx + 7] = uint16(w3 >> uint32(16))
+
         @jitable
         def load_words(ptr, start, col0, words, at):
-            """The chunk's elements, read one at a time, in the four words a 128-bit load
-            would give (zeros past n): what ``load`` reads, for rows that keep it packed."""
+            """The chunk in the four words a 128-bit load would give (zeros past n): what
+            ``load`` reads, for rows that keep it packed."""
+            if inside(col0):
+                w0, w1, w2, w3 = span_words(ptr, start + col0)
+                words[at] = w0
+                words[at + 1] = w1
+                words[at + 2] = w2
+                words[at + 3] = w3
+                return
             for j in range(4):
                 if half:
                     lo = uint32(0)
@@ -120,17 +192,32 @@ def _make_chunk_io(intr, dtype, chunk, n, vector):
 
         @jitable
         def load(ptr, start, col0, vals, slot):
-            for e in range(chunk):
-                value = float32(0.0)
-                if col0 + e < n:
-                    if half:
-                        value = decode(ptr[start + col0 + e])
-                    else:
-                        value = float32(ptr[start + col0 + e])
-                vals[slot + e] = value
+            for a in range(n_vec):
+                col = col0 + a * elems_per_vec
+                if inside(col):
+                    w0, w1, w2, w3 = span_words(ptr, start + col)
+                    words_to_floats(w0, w1, w2, w3, vals, slot + a * elems_per_vec)
+                else:
+                    for e in range(a * elems_per_vec, min(chunk, (a + 1) * elems_per_vec)):
+                        value = float32(0.0)
+                        if col0 + e < n:
+                            if half:
+                                value = decode(ptr[start + col0 + e])
+                            else:
+                                value = float32(ptr[start + col0 + e])
+                        vals[slot + e] = value
 
         @jitable
         def store(ptr, start, col0, vals, slot):
+            if shifted and col0 + chunk <= n:   # whole chunks (of one span: 16 bytes of x)
+                if half:
+                    store_span(ptr, start + col0, pair(vals, slot), pair(vals, slot + 2),
+                               pair(vals, slot + 4), pair(vals, slot + 6))
+                else:
+                    store_span(ptr, start + col0, f32_as_u32(vals[slot]),
+                               f32_as_u32(vals[slot + 1]), f32_as_u32(vals[slot + 2]),
+                               f32_as_u32(vals[slot + 3]))
+                return
             for e in range(chunk):
                 if col0 + e < n:
                     if half:
@@ -285,7 +372,8 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False):
     """``store(ptr, start, col0, vals, slot, inv)``: ``vals[slot : slot + chunk] * inv`` quantised
     to ``dtype`` (int8 or float8_e4m3fn, one byte each) at ``ptr[start + col0 ...]``.  The vector
     form packs a chunk into one 8-byte (chunk 8) or 4-byte (chunk 4) store; the scalar form stores
-    byte by byte, skipping columns past ``n``.
+    a whole chunk as aligned 8- / 4-byte pieces where its address allows, else byte by byte, and
+    a chunk reaching past ``n`` byte by byte up to ``n``.
 
     ``fma_levels`` (int8): each level is the low byte of fma(v, inv, RNE_MAGIC), rne of the exact
     product in one FFMA, where the conversion took an FMUL and an F2I (a quarter-rate instruction
@@ -296,6 +384,10 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False):
     signed = dtype == _dtypes.INT8
     fused = fma_levels and signed
     store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
+    align_offset = getattr(intr, "align_offset", None)
+    # the scalar form's whole chunks go out in the widest aligned pieces their address allows
+    # (SCALAR_SHIFTED_ACCESS), where byte by byte each warp's store wrote 32 bytes over 256
+    shifted = bool(_config.SCALAR_SHIFTED_ACCESS and align_offset is not None and store_b32)
     pack_e4m3x2, f32_as_u32, fma = intr.pack_e4m3x2, intr.f32_as_u32, intr.fma
     magic = float32(RNE_MAGIC)
 
@@ -324,7 +416,36 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False):
                 store_b32(ptr, start + col0, word(vals, slot, inv))
     else:
         @jitable
+        def level_bits(bits):
+            """The low byte of ``bits`` as a stored level (int8, or uint8 bits of e4m3fn)."""
+            byte = bits & uint32(0xFF)
+            if signed:
+                return int8(int32(byte) - int32((byte & uint32(0x80)) << uint32(1)))
+            return uint8(byte)
+
+        @jitable
+        def store_word(ptr, idx, w, off):
+            """One word's four levels at element ``idx``, ``off`` = its address mod 4."""
+            if off == 0:
+                store_b32(ptr, idx, w)
+            else:
+                for b in range(4):
+                    ptr[idx + b] = level_bits(w >> uint32(8 * b))
+
+        @jitable
         def store(ptr, start, col0, vals, slot, inv):
+            if shifted and col0 + chunk <= n:
+                idx = start + col0
+                off = align_offset(ptr, idx)
+                if chunk == 8:
+                    if off & 7 == 0:
+                        store_b64(ptr, idx, word(vals, slot, inv), word(vals, slot + 4, inv))
+                    else:
+                        store_word(ptr, idx, word(vals, slot, inv), off & 3)
+                        store_word(ptr, idx + 4, word(vals, slot + 4, inv), off & 3)
+                else:
+                    store_word(ptr, idx, word(vals, slot, inv), off & 3)
+                return
             for e in range(chunk):
                 if col0 + e < n:
                     if fused:

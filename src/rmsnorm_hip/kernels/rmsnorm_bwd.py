@@ -19,6 +19,7 @@ import math
 from numba import float32, int32, int64, types, uint32
 
 from .. import _dtypes
+from . import _config
 from ._config import BwdSpec, ReduceSpec
 from ._rowops import (ChunkIO, codec, make_chunk_dot, make_chunk_sumsq, make_row_sum,
                       reduce_buffer_shape)
@@ -48,8 +49,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # with each chunk (looped layouts, and cached ones that spec.hold_weight says cannot hold it)
     hold_w = has_weight and cached and spec.hold_weight
     gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
-    io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
-    w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
+    shifted = _config.scalar_shifted(spec)
+    io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector, shifted)
+    w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector, shifted)
     load, store, load_w = io.load, io.store, w_io.load
     load_words, words_to_floats = io.load_words, io.words_to_floats
     # packed (cached vector rows, and 16-bit scalar rows of 2 chunks): x and dy stay between the
@@ -83,7 +85,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # scalar stores, so that they issue no vector access at all (tests/test_compile.py); looped
     # layouts keep their per-element read-modify-write: as 128-bit accesses the dresidual forms
     # spilled (ptxas 13.5)
-    ws_store_4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, spec.vector and n % 4 == 0).store
+    ws_store_4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, spec.vector and n % 4 == 0, shifted).store
 
     @jitable
     def load_or_zero(ptr, start, col0, live, vals, slot):
