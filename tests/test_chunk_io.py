@@ -1,7 +1,7 @@
 """The scalar (any-alignment) chunk accesses of kernels/_rowops.ChunkIO, through the simulator's
 intrinsics (plain Python on NumPy arrays): at every element alignment of a row, each chunk's load
 and packed-word load give the row's elements, each store writes the chunk's elements and nothing
-else, and spans inside the row go through aligned 128-bit loads and the widest aligned stores
+else, and spans inside the row go through aligned 128-bit loads and aligned stores of 4-16 bytes
 (``_config.SCALAR_SHIFTED_ACCESS``).  The row handed to the accesses is a view of exactly its
 elements, and the simulator's aligned accesses check their address and bounds, so a read before
 the row's start or past its end fails here."""
@@ -100,9 +100,33 @@ def test_scalar_chunks_at_every_alignment(dtype, extra, rng):
                 # aligned: one 128-bit store; 8 bytes past: two 64-bit; 4 / 12 bytes: 32 + 64 +
                 # 32; 16-bit elements 2 bytes past a word: 3 x 32 bits and two 16-bit stores
                 span = (offset + col0 * itemsize) % 16
-                assert wide == {0: 1, 8: 2, 4: 3, 12: 3}.get(span, 3), (what, counts)
+                pieces = {0: 1, 8: 2, 4: 3, 12: 3, 2: 3, 6: 3, 10: 3, 14: 3}[span]
+                assert wide == pieces, (what, counts)
             else:
                 assert wide == 0, (what, counts)
+
+
+@pytest.mark.parametrize("extra", [0, 2])
+def test_two_span_chunks_at_every_alignment(extra, rng):
+    """A float32 chunk of 8 (the weight or xscale of a 16-bit row) is two spans, each shifted on
+    its own where it lies inside the row, the first of them too where the chunk is not the
+    row's first."""
+    intr, counts = counting(intrinsics.load("sim", 32))
+    n = 32 + extra
+    io = ChunkIO(intr, "float32", 8, n, False)
+    for offset in (0, 4, 8, 12):
+        row, _, _ = row_at("float32", n, offset, rng)
+        for col0 in range(0, n, 8):
+            counts.clear()
+            vals = np.full(8, np.nan, np.float32)
+            io.load(row, 0, col0, vals, 0)
+            live = min(8, n - col0)
+            what = f"offset {offset} B, n {n}, chunk at {col0}"
+            np.testing.assert_array_equal(vals[:live], row[col0:col0 + live], what)
+            assert not vals[live:].any(), what
+            spans = [col for col in (col0, col0 + 4) if col >= 4 and col + 8 <= n]
+            blocks = sum(1 if (offset + 4 * col) % 16 == 0 else 2 for col in spans)
+            assert counts.get("load_b128", 0) == blocks, (what, counts)
 
 
 def test_elementwise_when_switched_off(monkeypatch, rng):
@@ -117,25 +141,34 @@ def test_elementwise_when_switched_off(monkeypatch, rng):
     io.store(row, 0, 16, vals, 0)
     assert not counts
     np.testing.assert_array_equal(vals, floats_of(row[16:24], "bfloat16"))
+    monkeypatch.setattr(_config, "SCALAR_SHIFTED_ACCESS", True)
+    io = ChunkIO(intr, "bfloat16", 8, 64, False, shifted=False)   # a kernel's choice
+    io.load(row, 0, 16, vals, 0)
+    assert not counts
 
 
-@pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("quant,fma_levels", [("int8", False), ("int8", True),
+                                              ("float8_e4m3fn", False)])
 @pytest.mark.parametrize("chunk", [8, 4])
-def test_scalar_quant_store_at_every_alignment(quant, chunk, monkeypatch, rng):
-    """A quantised chunk stored at any byte offset writes the element-by-element form's levels,
-    only its own bytes, and whole chunks as words where the address is word-aligned."""
+def test_scalar_quant_store_at_every_alignment(quant, fma_levels, chunk, monkeypatch, rng):
+    """A quantised chunk stored at any byte offset writes the element-by-element form's levels
+    (NaN, infinities and saturating values among them), only its own bytes, and whole chunks as
+    words where the address is word-aligned."""
     from rmsnorm_hip.kernels._rowops import make_quant_store
     intr, counts = counting(intrinsics.load("sim", 32))
     n = 4 * chunk + 3
     storage = np.int8 if quant == "int8" else np.uint8
-    shifted = make_quant_store(intr, quant, chunk, n, False)
+    shifted = make_quant_store(intr, quant, chunk, n, False, fma_levels)
     monkeypatch.setattr(_config, "SCALAR_SHIFTED_ACCESS", False)
-    elementwise = make_quant_store(intr, quant, chunk, n, False)
+    elementwise = make_quant_store(intr, quant, chunk, n, False, fma_levels)
+    special = np.array([np.nan, np.inf, -np.inf, 1e30, -300.0, 0.0], np.float32)
     for offset in range(8):
         raw = np.zeros(n + 64, np.uint8)
         start = (-raw.ctypes.data) % 16 + 16 + offset
         for col0 in range(0, n, chunk):
             vals = (rng.standard_normal(chunk) * 40).astype(np.float32)
+            if not fma_levels:      # fma levels are for finite rows within +-127.5 only
+                vals[rng.integers(0, chunk)] = special[rng.integers(0, special.size)]
             inv = np.float32(1.5)
             expected = raw.copy()
             elementwise(expected[start:start + n].view(storage), 0, col0, vals, 0, inv)

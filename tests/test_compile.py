@@ -60,9 +60,12 @@ def compile_variants(op, dtype):
         record = {"label": variant.label, "vector": vector,
                   "full_width_store": variant.full_width_store,
                   # a scalar row with spans inside it loads them as aligned 128-bit blocks
+                  # (backward rows held to 64 registers a thread excepted: scalar_shifted)
                   "shifted_spans": bool(not vector and layout is not None
-                                        and _config.SCALAR_SHIFTED_ACCESS
-                                        and layout.n >= 3 * layout.chunk)}
+                                        and layout.n >= 3 * layout.chunk
+                                        and (_config.scalar_shifted(variant.spec)
+                                             if variant.op == "bwd"
+                                             else _config.SCALAR_SHIFTED_ACCESS))}
         try:
             ptx, entry = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, CC)
         except Exception as exc:

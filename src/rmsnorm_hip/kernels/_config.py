@@ -247,8 +247,8 @@ BWD_HOLD_WEIGHT_MAX_CHUNKS = 1
 BWD_PREFETCH_RSTD = True
 # scalar (any-alignment) kernels move a 16-byte span of a row that lies inside the row (not a
 # row's first span, nor its last one or two) as aligned accesses: loaded as the two aligned
-# 16-byte blocks around it, funnel-shifted into place, stored in the widest aligned pieces its
-# address allows (one 128-bit store when it is aligned, else 2-5).  The same elements land in the
+# 16-byte blocks around it, funnel-shifted into place, stored in aligned pieces (one 128-bit
+# store when it is aligned, else 2-5).  The same elements land in the
 # same float32 slots as element-by-element access, so the same bits; what is read stays inside the
 # row (kernels/_rowops.ChunkIO).  False: element by element, as before session 15.  H200, bf16,
 # rows one element past 16 bytes (a view of an (M, N + 1) buffer) / contiguous N - 1, % of copy,
@@ -256,7 +256,8 @@ BWD_PREFETCH_RSTD = True
 # unchanged, every output bitwise the aligned call's):
 #   rms_norm 4096x4096 39 -> 53 / 26 -> 46, 32768x4096 45 -> 63 / 30 -> 52, 1024x8192 30 -> 48
 #   fused add 4096x4096 46 -> 60 / 27 -> 52, 32768x4096 51 -> 69 / 29 -> 56
-#   SmoothQuant int8 32768x4096 29 -> 39 / 28 -> 34 (the levels' stores as words too)
+#   SmoothQuant int8 4096x4096 26 -> 31 / 25 -> 29, 32768x4096 29 -> 39 / 28 -> 37 (its levels
+#   stored as words too: _rowops.make_quant_store)
 #   backward 4096x4096 21 -> 26, 32768x4096 24 -> 29, 1024x8192 18 -> 29 / 17 -> 23
 SCALAR_SHIFTED_ACCESS = True
 # 16-bit scalar (unaligned) rows of at least this many chunks a thread keep x and dy as words,

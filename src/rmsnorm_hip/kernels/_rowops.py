@@ -24,8 +24,10 @@ class ChunkIO:
 
     Both forms also have ``load_words(ptr, start, col0, words, at)``, the chunk kept as the four
     uint32 words of its 128-bit load (eight 16-bit elements in four registers; the scalar form
-    reads the elements one at a time), and ``words_to_floats(w0, w1, w2, w3, vals, slot)``,
-    which decodes them exactly as ``load`` does."""
+    assembles them as ``load`` reads the chunk), and ``words_to_floats(w0, w1, w2, w3, vals,
+    slot)``, which decodes them exactly as ``load`` does.  ``store`` and ``load_words`` take
+    chunks of 16 bytes (x's); ``load`` any number of 16-byte spans (a float32 weight's chunk of
+    8 is two)."""
 
     def __init__(self, intr, dtype, chunk, n, vector, shifted=True):
         self.load, self.store, self.load_words, self.words_to_floats = _make_chunk_io(
@@ -112,9 +114,10 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted):
 
         @jitable
         def inside(col):
-            """Whether the two aligned 16-byte blocks around the span at column ``col`` lie in
-            the row: it is not the row's first span (the block before may start before the
-            row) and a whole span follows it."""
+            """Whether the two aligned 16-byte blocks around the span at column ``col`` (a
+            multiple of a span's elements, as every caller's is) lie in the row: it is not the
+            row's first span (the block before may start before the row) and a whole span
+            follows it."""
             return shifted and col > 0 and col + 2 * elems_per_vec <= n
 
         @jitable
@@ -145,8 +148,10 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted):
 
         @jitable
         def store_span(ptr, idx, w0, w1, w2, w3):
-            """Four words as the 16 bytes at element ``idx`` (any element alignment), in the
-            widest aligned pieces the address allows."""
+            """Four words as the 16 bytes at element ``idx`` (any element alignment), in aligned
+            pieces: one 128-bit store, two 64-bit, 32 + 64 + 32 bits, or (16-bit elements two
+            bytes past a word) 16 + 3 x 32 + 16 bits.  A float32 array's elements are always
+            word-aligned, so its offsets are multiples of 4."""
             off = align_offset(ptr, idx)
             if off == 0:
                 store_b128(ptr, idx, w0, w1, w2, w3)
@@ -385,7 +390,7 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False):
     fused = fma_levels and signed
     store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
     align_offset = getattr(intr, "align_offset", None)
-    # the scalar form's whole chunks go out in the widest aligned pieces their address allows
+    # the scalar form's whole chunks go out as aligned 8- / 4-byte pieces where the address allows
     # (SCALAR_SHIFTED_ACCESS), where byte by byte each warp's store wrote 32 bytes over 256
     shifted = bool(_config.SCALAR_SHIFTED_ACCESS and align_offset is not None and store_b32)
     pack_e4m3x2, f32_as_u32, fma = intr.pack_e4m3x2, intr.f32_as_u32, intr.fma
