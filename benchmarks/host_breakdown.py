@@ -7,22 +7,6 @@ eager.  Host microseconds per call; device work is queued, never waited on insid
 import argparse
 import json
 import os
-import time
-
-
-def per_call_us(fn, calls=2000, repeats=3):
-    import torch
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return min(best)
 
 
 def main():
@@ -35,6 +19,10 @@ def main():
 
     import rmsnorm_hip
     from rmsnorm_hip import _arrays, backends, functional
+    from rmsnorm_hip._bench import timing
+
+    def per_call_us(fn):        # the fastest of 3 runs of 2000 back-to-back calls, one sync each
+        return min(timing.host_time(fn, torch.cuda.synchronize, calls=2000)["host_us_runs"])
 
     m, n = args.m, args.n
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)

@@ -30,9 +30,9 @@ SETTINGS = {
 
 
 def _inputs(torch, op, m, n, dtype, layout):
+    """Contiguous inputs of the ``aligned`` or ``odd`` layout (``offset`` rows are copies of the
+    aligned call's, made in main)."""
     def rows(cols):
-        if layout == "offset":
-            return torch.empty(m, cols + 1, device="cuda", dtype=dtype)[:, 1:].normal_()
         return torch.randn(m, cols, device="cuda", dtype=dtype)
 
     cols = n - 1 if layout == "odd" else n
@@ -92,8 +92,9 @@ def main():
     copy = timing.cuda_copy_bandwidth()["gbps"]
     flush = timing.L2Flush("write")
     layouts = ["aligned", "offset"] + (["odd"] if args.odd else [])
-    used = [SETTINGS[label.rstrip("0123456789")] for label in args.settings.split(",")]
-    shipped = {attr: getattr(_config, attr) for s in used for attr in s}
+    labels = args.settings.split(",")
+    names = {label: label.rstrip("0123456789") for label in labels}     # shifted2: a repeat
+    shipped = {attr: getattr(_config, attr) for label in labels for attr in SETTINGS[names[label]]}
     kernel_sets = {}
     records = []
     for op in args.ops.split(","):
@@ -112,13 +113,13 @@ def main():
                     data, cols = base, n
                 else:
                     data, cols = _inputs(torch, op, m, n, dtype, layout)
-                for label in args.settings.split(","):
+                for label in labels:
                     for attr, value in shipped.items():
                         setattr(_config, attr, value)
-                    for attr, value in SETTINGS[label.rstrip("0123456789")].items():
+                    for attr, value in SETTINGS[names[label]].items():
                         setattr(_config, attr, value)
                     # kernels are built under the knobs as they are: one compiled set per setting
-                    _cache._kernels = kernel_sets.setdefault(label.rstrip("0123456789"), {})
+                    _cache._kernels = kernel_sets.setdefault(names[label], {})
                     rmsnorm_hip.functional.forget_plans()
                     call = _call(rmsnorm_hip, op, data)
                     out = _flat(call())

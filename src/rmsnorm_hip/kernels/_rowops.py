@@ -34,6 +34,14 @@ class ChunkIO:
             intr, dtype, chunk, n, vector, shifted)
 
 
+def _shifted_access(intr):
+    """Whether scalar forms take aligned accesses around unaligned spans: the knob
+    (_config.SCALAR_SHIFTED_ACCESS), on a namespace with the intrinsics for them (not the CPU's)."""
+    return bool(_config.SCALAR_SHIFTED_ACCESS
+                and all(hasattr(intr, name) for name in ("align_offset", "load_b128",
+                                                         "store_b128", "store_b64", "store_b32")))
+
+
 def codec(intr, dtype):
     """(decode, encode, pack two) between float32 and an element of ``dtype`` as stored
     (pack two: None for float32, whose elements are whole words).  The 8-bit quantised dtypes
@@ -107,8 +115,7 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted):
                            f32_as_u32(vals[slot + 2]), f32_as_u32(vals[slot + 3]))
     else:
         align_offset = getattr(intr, "align_offset", None)
-        shifted = bool(shifted and _config.SCALAR_SHIFTED_ACCESS and align_offset is not None
-                       and load_b128)
+        shifted = shifted and _shifted_access(intr)
         store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
         per_word = 4 // itemsize        # elements in a 32-bit word
 
@@ -392,7 +399,7 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False):
     align_offset = getattr(intr, "align_offset", None)
     # the scalar form's whole chunks go out as aligned 8- / 4-byte pieces where the address allows
     # (SCALAR_SHIFTED_ACCESS), where byte by byte each warp's store wrote 32 bytes over 256
-    shifted = bool(_config.SCALAR_SHIFTED_ACCESS and align_offset is not None and store_b32)
+    shifted = _shifted_access(intr)
     pack_e4m3x2, f32_as_u32, fma = intr.pack_e4m3x2, intr.f32_as_u32, intr.fma
     magic = float32(RNE_MAGIC)
 
@@ -454,8 +461,7 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False):
             for e in range(chunk):
                 if col0 + e < n:
                     if fused:
-                        bits = byte(vals, slot + e, inv)
-                        ptr[start + col0 + e] = int8(int32(bits) - int32((bits & 0x80) << 1))
+                        ptr[start + col0 + e] = level_bits(byte(vals, slot + e, inv))
                     elif signed:
                         ptr[start + col0 + e] = int8(encode(vals[slot + e] * inv))
                     else:
