@@ -303,7 +303,29 @@ def test_programs_do_not_depend_on_the_variant(vendor):
             got = _config.bwd_programs(spec, m, 132, vendor)
             assert programs.setdefault((spec.layout.n, spec.dtype, m), got) == got, spec
     assert programs[8192, "bfloat16", 4096] == (132 if vendor == "cuda" else 264)
-    assert programs[4096, "bfloat16", 4096] == 264 and programs[4096, "bfloat16", 7] == 7
+    # CUDA balances grids of at most 16 row blocks a program (bwd_programs)
+    assert programs[4096, "bfloat16", 4096] == (256 if vendor == "cuda" else 264)
+    assert programs[4096, "bfloat16", 7] == 7
+
+
+@pytest.mark.parametrize("m", [1, 7, 100, 263, 264, 265, 333, 1024, 2048, 4095, 4096, 4097,
+                               4224, 4225, 8192, 1 << 20])
+@pytest.mark.parametrize("n,dtype", [(4096, "bfloat16"), (8192, "bfloat16"), (127, FLOAT32)])
+def test_balanced_grid_keeps_the_busiest_program(monkeypatch, m, n, dtype):
+    """Where the busiest program walks at most BWD_BALANCE_MAX_STEPS row blocks, the grid is the
+    fewest programs that walk no more; elsewhere as many as fit."""
+    spec = _config.bwd_spec(n, dtype, dtype, True, False, False)
+    balanced = _config.bwd_programs(spec, m, 132)
+    monkeypatch.setitem(_config.BWD_BALANCE_MAX_STEPS, "cuda", 0)
+    fit = _config.bwd_programs(spec, m, 132)
+    blocks = -(-m // spec.rows)
+    steps = -(-blocks // fit)
+    assert 1 <= balanced <= fit <= blocks
+    assert -(-blocks // balanced) == steps                      # the same critical path
+    if steps <= 16:
+        assert balanced == 1 or -(-blocks // (balanced - 1)) > steps     # and no fewer fit
+    else:
+        assert balanced == fit
 
 
 @pytest.mark.sim

@@ -398,6 +398,21 @@ def _bwd_register_units(layout):
     return max(1, 1024 // (_block_threads(layout) * bwd_blocks_per_sm(layout)))
 
 
+# grids whose busiest program walks at most this many row blocks take the fewest programs that
+# keep that many (bwd_programs): the critical path is the same, and there are fewer partial
+# dweight rows to write and reduce.  H200, bf16, us, as many as fit / balanced, three rounds each
+# (results/tune_h200_20261201_s16/tune_bwd_programs.json, tune_bwd_dres_programs.json):
+#   4096x4096 (264 -> 256) 31.9, 32.2, 33.0 / 32.0, 32.2, 31.6 (the reduction 2.6 -> 2.3)
+#   2048x4096 (264 -> 256) 19.6, 19.5, 19.6 / 19.0, 19.1, 19.0
+#   1024x8192 (132 -> 128) 20.2, 20.2, 20.2 / 19.8, 19.9, 19.8
+#   dresidual 4096x4096 39.8, 39.9, 39.7 / 39.7, 39.2, 39.8; 1024x8192 23.7, 23.5, 23.6 / 23.0,
+#   22.9, 23.0
+# Where programs walk more rows, one program fewer is an SM idle for longer: 8192x8192 (63 row
+# blocks, 132 -> 131) 105.3, 105.7, 105.2 / 105.6, 105.7, 105.7; 32768x4096 (264 -> 263) and
+# 16384x8192 (132) level.  AMD: not measured, not changed
+BWD_BALANCE_MAX_STEPS = {"cuda": 16, "hip": 0}
+
+
 @dataclass(frozen=True)
 class ReduceSpec:
     """Compile-time constants of the dweight reduction (block: columns x groups threads)."""
@@ -422,9 +437,18 @@ def bwd_programs(spec, m, sm_count, vendor="cuda"):
     (64 registers) and the scalar one (80-97) one, 264 against 132 programs on an H200.  A
     variant that fits fewer blocks runs its programs in more than one wave.  AMD keeps the
     estimate its backend always made (there is no occupancy query there): as many blocks as a
-    CU's 2048 threads hold, at most BWD_BLOCKS_PER_SM."""
+    CU's 2048 threads hold, at most BWD_BLOCKS_PER_SM.  Where no program walks more than
+    BWD_BALANCE_MAX_STEPS row blocks, the grid shrinks to the fewest programs that walk no more
+    than the busiest would (4096x4096 on an H200: 256 programs of 16 rows instead of 264 of 15
+    or 16)."""
     if vendor == "hip":
         per_sm = max(1, min(BWD_BLOCKS_PER_SM, 2048 // (spec.layout.threads * spec.rows)))
     else:
         per_sm = bwd_blocks_per_sm(spec.layout)
-    return max(1, min(ceil_div(m, spec.rows), per_sm * sm_count))
+    blocks = ceil_div(m, spec.rows)
+    programs = max(1, min(blocks, per_sm * sm_count))
+    steps = ceil_div(blocks, programs)      # row blocks the busiest program takes
+    if steps <= BWD_BALANCE_MAX_STEPS[vendor]:
+        # the fewest programs that take no more: the same critical path, fewer partial rows
+        programs = ceil_div(blocks, steps)
+    return programs
