@@ -19,9 +19,10 @@ time or one at a time, with a knob since removed and the kernel cache cleared pe
 N = 8192, 16-bit N = 16384: loads ahead of the reduction or not, cached or looped).  Session 13
 ran ``narrow`` / ``wide`` (branch exp/wide2), ``hold_w`` / ``load_w`` and ``fp32_cached`` /
 ``fp32_looped``.  Session 14 ran ``narrow`` / ``one_block`` (1024-thread rows as 512 x 2 in one
-block per SM; the first run with an earlier form of the knob), ``two_chunk`` and ``mid``.  Session 16 ran ``cluster_*`` / ``no_cluster*`` (the partial rows
-summed across a thread-block cluster first, branch exp/cluster-combine) and ``p_fit`` /
-``p_balanced`` / ``p_round``.
+block per SM; the first run with an earlier form of the knob), ``two_chunk`` and ``mid``.
+Session 16 ran ``cluster_eight`` / ``_four`` / ``_two`` / ``_one`` / ``no_cluster`` (the partial
+rows summed across a thread-block cluster first: the knobs, and benchmarks/check_cluster.py, are
+on branch exp/cluster-combine) and ``p_fit`` / ``p_balanced`` / ``p_round``.
 """
 import argparse
 import json
@@ -78,12 +79,12 @@ SETTINGS = {
     # blocks per SM fit) or as floats (one fits); with --unaligned
     "scalar_words": {"BWD_PACK_SCALAR_MIN_CHUNKS": {"cuda": 1, "hip": 2}},
     "scalar_floats": {"BWD_PACK_SCALAR_MIN_CHUNKS": {"cuda": 2, "hip": 2}},
-    # the dweight reduction: row groups per block x loads batched per thread
     # the grid's programs: as many as fit (bwd_blocks_per_sm x SMs), or the fewest that keep the
     # most row blocks a program takes where that is at most 16 (session 16 also ran ``p_round``:
     # as many as fit rounded down to a multiple of 16, with a knob since removed)
     "p_fit": {"BWD_BALANCE_MAX_STEPS": {"cuda": 0, "hip": 0}},
     "p_balanced": {"BWD_BALANCE_MAX_STEPS": {"cuda": 16, "hip": 0}},
+    # the dweight reduction: row groups per block x loads batched per thread
     "reduce_g8_b4": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 4},
     "reduce_g8_b8": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 8},
     "reduce_g16_b8": {"BWD_REDUCE_GROUPS": 16, "BWD_REDUCE_BATCH": 8},
