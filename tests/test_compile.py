@@ -63,9 +63,7 @@ def compile_variants(op, dtype):
                   # (backward rows held to 64 registers a thread excepted: scalar_shifted)
                   "shifted_spans": bool(not vector and layout is not None
                                         and layout.n >= 3 * layout.chunk
-                                        and (_config.scalar_shifted(variant.spec)
-                                             if variant.op == "bwd"
-                                             else _config.SCALAR_SHIFTED_ACCESS))}
+                                        and _config.scalar_shifted(variant.spec))}
         try:
             ptx, entry = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, CC)
         except Exception as exc:

@@ -445,8 +445,8 @@ def bwd_programs(spec, m, sm_count, vendor="cuda"):
         per_sm = max(1, min(BWD_BLOCKS_PER_SM, 2048 // (spec.layout.threads * spec.rows)))
     else:
         per_sm = bwd_blocks_per_sm(spec.layout)
-    blocks = ceil_div(m, spec.rows)
-    programs = max(1, min(blocks, per_sm * sm_count))
+    blocks = max(1, ceil_div(m, spec.rows))
+    programs = min(blocks, per_sm * sm_count)
     steps = ceil_div(blocks, programs)      # row blocks the busiest program takes
     if steps <= BWD_BALANCE_MAX_STEPS[vendor]:
         # the fewest programs that take no more: the same critical path, fewer partial rows
