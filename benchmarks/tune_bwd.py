@@ -1,7 +1,7 @@
 """Backward tuning sweep on a GPU: device time per call of rms_norm_backward (CUPTI, 256 MB write
 flush before each call, a discarded warm-up timing first, as the benchmark measures it) under
 candidate settings of kernels/_config.py, patched here; a setting may be repeated with a digit
-suffix (``prefetch,no_prefetch,prefetch2``) to see the run-to-run spread.  Prints one JSON line
+suffix (``prefetch,no_prefetch,prefetch2``; ``_r2`` after a name ending in a digit) to see the run-to-run spread.  Prints one JSON line
 per (shape, setting) and writes them to --out (default $OUT or .)/tune_bwd.json.
 
     PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings prefetch,no_prefetch] [--dres]
@@ -22,11 +22,14 @@ ran ``narrow`` / ``wide`` (branch exp/wide2), ``hold_w`` / ``load_w`` and ``fp32
 block per SM; the first run with an earlier form of the knob), ``two_chunk`` and ``mid``.
 Session 16 ran ``cluster_eight`` / ``_four`` / ``_two`` / ``_one`` / ``no_cluster`` (the partial
 rows summed across a thread-block cluster first: the knobs, and benchmarks/check_cluster.py, are
-on branch exp/cluster-combine) and ``p_fit`` / ``p_balanced`` / ``p_round``.
+on branch exp/cluster-combine) and ``p_fit`` / ``p_balanced`` / ``p_round``.  Session 17 ran
+``reduce_g*_b*`` (the reduction's loads in one round or not) and ``paired`` / ``unpaired``
+(BWD_PAIRED_ROWS; correctness on the GPU: benchmarks/check_paired.py).
 """
 import argparse
 import json
 import os
+import re
 
 SHAPES = [(32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192)]
 # name -> {_config attribute: value}
@@ -93,6 +96,10 @@ SETTINGS = {
     "reduce_g8_b32": {"BWD_REDUCE_GROUPS": 8, "BWD_REDUCE_BATCH": 32},
     "reduce_g16_b16": {"BWD_REDUCE_GROUPS": 16, "BWD_REDUCE_BATCH": 16},
     "reduce_g4_b32": {"BWD_REDUCE_GROUPS": 4, "BWD_REDUCE_BATCH": 32},
+    # packed 16-bit rows of up to 512 threads two to a block at their own named barriers, one
+    # partial row per block (session 17), or one row a block as before
+    "paired": {"BWD_PAIRED_ROWS": {"cuda": True, "hip": False}},
+    "unpaired": {"BWD_PAIRED_ROWS": {"cuda": False, "hip": False}},
 }
 
 
@@ -140,7 +147,8 @@ def main():
         nbytes = (4 if args.dres else 3) * m * n * size + 2 * n * size
         reference = None
         for label in args.settings.split(","):
-            name = label.rstrip("0123456789")     # a repeated setting: plain_reduce2
+            # a repeated setting: plain_reduce2, reduce_g8_b8_r2 (names may end in digits)
+            name = label if label in SETTINGS else re.sub(r"(_r\d+|\d+)$", "", label)
             for attr, value in SETTINGS[name].items():
                 setattr(_config, attr, value)
             rmsnorm_hip.functional.forget_plans()     # runners hold their plans too

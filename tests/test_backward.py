@@ -268,18 +268,22 @@ def test_loads_ahead_and_held_weight_only_where_they_fit(dtype, n, vendor, threa
     assert blocks == (2 if threads * chunks <= 512 else 1)
     # AMD keeps its backend's estimate: the blocks a CU's 2048 threads hold, at most two
     programs = 132 * (blocks if vendor == "cuda" else 2)
-    assert _config.bwd_programs(_config.bwd_spec(n, dtype, dtype, True, False, False, vendor),
-                                1 << 20, 132, vendor) == programs
+    # 16-bit rows of one chunk, two blocks an SM, run two to a block on CUDA (BWD_PAIRED_ROWS)
+    paired = vendor == "cuda" and sixteen and chunks == 1 and blocks == 2
+    assert _config.bwd_partial_order(
+        _config.bwd_spec(n, dtype, dtype, True, False, False, vendor), 1 << 20, 132,
+        vendor) == (programs, 2 if paired else 1)
     for dres in (False, True):
         packed = _config.bwd_spec(n, dtype, dtype, True, False, dres, vendor)
-        assert packed.layout == layout and packed.packed
-        assert _config.launch_bounds(packed) == (threads, blocks if blocks > 1 else None)
+        assert packed.layout == layout and packed.packed and packed.paired == paired
+        assert _config.launch_bounds(packed) == ((2 * threads, None) if paired else
+                                                 (threads, blocks if blocks > 1 else None))
         assert packed.prefetch == ahead and packed.early_dres == (dres and ahead)
         assert packed.hold_weight == (ahead or not sixteen)
         both = _config.bwd_spec(n, dtype, dtype, True, True, dres, vendor)
         assert both.prefetch == (ahead and not dres)
         scalar = _config.bwd_spec(n, dtype, dtype, False, False, dres, vendor)
-        assert scalar.layout == layout
+        assert scalar.layout == layout and not scalar.paired and scalar.pair_twin == paired
         assert scalar.packed == (sixteen and chunks == 2)
         assert scalar.prefetch == (scalar.packed and ahead)
         if scalar.packed:
@@ -290,22 +294,33 @@ def test_loads_ahead_and_held_weight_only_where_they_fit(dtype, n, vendor, threa
 
 @pytest.mark.parametrize("vendor", ["cuda", "hip"])
 def test_programs_do_not_depend_on_the_variant(vendor):
-    """dweight sums one partial row per program, so every variant of a call shape (vector or
-    scalar, rstd given or not, with or without dresidual) runs as many programs: a row-strided
-    call then gives bitwise its contiguous copy's dweight (API.md)."""
+    """dweight sums one partial row per program (or per pair of rows, paired), so every variant
+    of a call shape (vector or scalar, rstd given or not, with or without dresidual) walks its
+    rows in as many partial rows, summed alike: a row-strided call then gives bitwise its
+    contiguous copy's dweight (API.md)."""
     from rmsnorm_hip.kernels import catalog
     programs = {}
     for variant in catalog.bwd_variants(vendor=vendor):
         if variant.op != "bwd":
             continue
         spec = variant.spec
-        for m in (1, 7, 131, 133, 333, 4096, 1 << 20):
-            got = _config.bwd_programs(spec, m, 132, vendor)
-            assert programs.setdefault((spec.layout.n, spec.dtype, m), got) == got, spec
-    assert programs[8192, "bfloat16", 4096] == (132 if vendor == "cuda" else 264)
-    # CUDA balances grids of at most 16 row blocks a program (bwd_programs)
-    assert programs[4096, "bfloat16", 4096] == (256 if vendor == "cuda" else 264)
-    assert programs[4096, "bfloat16", 7] == 7
+        for m in (1, 7, 131, 133, 263, 264, 333, 4096, 1 << 20):
+            # the kernel a call of m rows takes (GpuBackend._bwd_key): paired or not by M
+            call = _config.bwd_spec(spec.layout.n, spec.dtype, spec.weight, spec.vector,
+                                    spec.recompute_rstd, spec.dresidual, vendor,
+                                    _config.bwd_pair_rows(m, 132, vendor))
+            got = _config.bwd_partial_order(call, m, 132, vendor)
+            key = (spec.layout.n, spec.dtype, bool(spec.weight), m)
+            assert programs.setdefault(key, got) == got, call
+    cuda = vendor == "cuda"
+    assert programs[8192, "bfloat16", True, 4096] == ((132, 1) if cuda else (264, 1))
+    # CUDA balances grids of at most 16 row blocks a program (bwd_programs), and pairs 16-bit
+    # rows of 512 threads (BWD_PAIRED_ROWS): 128 programs of two rows
+    assert programs[4096, "bfloat16", True, 4096] == ((256, 2) if cuda else (264, 1))
+    assert programs[4096, "bfloat16", True, 263] == ((263, 1) if cuda else (263, 1))
+    assert programs[4096, "bfloat16", True, 264] == ((264, 2) if cuda else (264, 1))
+    assert programs[4096, "bfloat16", True, 7] == (7, 1)     # few rows: not paired
+    assert programs[4096, "bfloat16", False, 4096] == ((256, 1) if cuda else (264, 1))
 
 
 @pytest.mark.parametrize("m", [1, 7, 100, 263, 264, 265, 333, 1024, 2048, 4095, 4096, 4097,
@@ -333,15 +348,22 @@ def test_balanced_grid_keeps_the_busiest_program(monkeypatch, m, n, dtype):
 def test_sim_grid_ignores_the_kernels_occupancy(use_backend, monkeypatch):
     """The backend sizes the backward grid without asking how many blocks of the variant fit: a
     scalar kernel that fits fewer than its vector twin (more registers) still runs as many
-    programs, so a row-strided call sums dweight's partial rows as its contiguous copy does."""
+    programs, so a row-strided call sums dweight's partial rows as its contiguous copy does (a
+    paired vector kernel's scalar twin: twice the programs, partial rows reduced by pairs)."""
     be = use_backend("sim")
     fits = iter(range(1, 1000))
     monkeypatch.setattr(be, "resident_per_sm", lambda kernel, threads: next(fits))
     functional.forget_plans()
     for n, dtype in ((1000, FLOAT32), (4096, "bfloat16")):
-        grids = {be._bwd_launch_shape((n, dtype, dtype, vector, False, False), 333)[1]
-                 for vector in (True, False)}
-        assert len(grids) == 1, grids
+        orders = set()
+        for vector in (True, False):
+            key = (n, dtype, dtype, vector, False, False)
+            _, grid, block, _, _, _, ws_rows = be._bwd_launch_shape(key, 333)
+            walkers = grid[0] * block[1]          # programs x rows a block
+            # the reduction sums partial rows by pairs
+            pairs = be._bwd_plans[be._bwd_key(key, 333)][3].pairs
+            orders.add((walkers, walkers // ws_rows * (2 if pairs else 1)))
+        assert len(orders) == 1, orders
     functional.forget_plans()
 
 
@@ -492,22 +514,64 @@ def _reduce_in_order(ws, groups):
 @pytest.mark.sim
 @pytest.mark.parametrize("wdtype", [FLOAT32, BFLOAT16])
 @pytest.mark.parametrize("ws_rows", [1, 2, 5, 11, 14])
-def test_sim_dweight_reduce_keeps_its_order(rng, use_backend, wdtype, ws_rows):
+@pytest.mark.parametrize("pairs", [False, True])
+def test_sim_dweight_reduce_keeps_its_order(rng, use_backend, wdtype, ws_rows, pairs):
     """The reduction's batched loads (full batches, then the rows left one at a time) add in the
     documented order: its bits equal a one-at-a-time float32 sum, every column of dweight
-    written."""
+    written; with ``pairs`` over the sums of workspace rows 2q and 2q + 1."""
     import ml_dtypes
 
     from rmsnorm_hip import _dtypes
     from rmsnorm_hip.kernels import rmsnorm_bwd
     be = use_backend("sim")
-    spec = _config.ReduceSpec(weight=wdtype, columns=4, groups=3, batch=2)
+    spec = _config.ReduceSpec(weight=wdtype, columns=4, groups=3, batch=2, pairs=pairs)
     kernel = be.kernel(rmsnorm_bwd.make_dweight_reduce, spec, rmsnorm_bwd.reduce_argtypes(spec))
     n = 10                                   # three blocks of 4 columns, the last one partial
-    ws = rng.standard_normal((ws_rows, n)).astype(np.float32) * np.float32(1e3)
+    rows = ws_rows * (2 if pairs else 1)
+    ws = rng.standard_normal((rows, n)).astype(np.float32) * np.float32(1e3)
     dweight = np.full(n, 0xFFFF if wdtype == BFLOAT16 else np.nan, _dtypes.STORAGE[wdtype])
-    kernel[(3, 1, 1), (4, 3, 1)](ws.reshape(-1), dweight, ws_rows, n)
-    expect = _reduce_in_order(ws, spec.groups)
+    kernel[(3, 1, 1), (4, 3, 1)](ws.reshape(-1), dweight, rows, n)
+    expect = _reduce_in_order(ws[0::2] + ws[1::2] if pairs else ws, spec.groups)
     if wdtype == BFLOAT16:
         expect = expect.astype(ml_dtypes.bfloat16).view(np.uint16)
     assert_bitwise(dweight, expect, f"dweight of {ws_rows} workspace rows")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("n", [4096, 4000])
+@pytest.mark.parametrize("given_rstd,dres", [(True, False), (False, False), (True, True)],
+                         ids=["rstd", "recompute", "dresidual"])
+def test_sim_paired_rows(rng, use_backend, monkeypatch, n, given_rstd, dres):
+    """Two 512-thread rows a block at their own barriers, their dweight partials summed into one
+    workspace row (BWD_PAIRED_ROWS): dx bitwise the unpaired kernel's, dweight against float64,
+    every workspace and output element written, and a row-strided call (the scalar twin) bitwise
+    the contiguous one.  One simulated program walks 3 row blocks of 2, the last one half past
+    M."""
+    be = use_backend("sim")
+    _nan_outputs(monkeypatch)
+    _patch(monkeypatch, "BWD_PAIRED_ROWS", {"cuda": True, "hip": False})
+    x, dy, w, rstd, dr, dx, dw = run_case(rng, (5, n), BFLOAT16, BFLOAT16,
+                                          given_rstd=given_rstd, dres=dres)
+    spec = _ran(be)
+    assert spec.paired and spec.rows == 2
+    # a row-strided copy one element off 16 bytes takes the scalar kernel, one row a block,
+    # standing in for the pair: the same bits
+    functional.forget_plans()
+    wide = [np.empty((5, n + 1), a.dtype) for a in (x, dy)]
+    for out, a in zip(wide, (x, dy)):
+        out[:, 1:] = a
+    dr_wide = None
+    if dr is not None:
+        dr_wide = np.empty((5, n + 1), dr.dtype)
+        dr_wide[:, 1:] = dr
+        dr_wide = dr_wide[:, 1:]
+    strided = rms_norm_backward(wide[1][:, 1:], wide[0][:, 1:], w, rstd if given_rstd else None,
+                                dresidual=dr_wide)
+    twin = _ran(be)
+    assert twin.pair_twin and not twin.vector and twin.rows == 1
+    assert_bitwise(strided[0], dx, "dx, row-strided vs contiguous")
+    assert_bitwise(strided[1], dw, "dweight, row-strided vs contiguous")
+    _patch(monkeypatch, "BWD_PAIRED_ROWS", {"cuda": False, "hip": False})
+    plain = rms_norm_backward(dy, x, w, rstd if given_rstd else None, dresidual=dr)
+    assert not _ran(be).paired
+    assert_bitwise(dx, plain[0], "dx, paired vs not")

@@ -205,27 +205,33 @@ class GpuBackend:
 
     # ---- backward ------------------------------------------------------------------------
     def _bwd_plan(self, key):
-        """(spec, kernel, dweight reduction kernel or None, its spec) of a backward call shape,
-        built once: a repeat call only looks it up."""
-        spec = _config.bwd_spec(*key, vendor=self.vendor)
+        """(spec, kernel, dweight reduction kernel or None, its spec) of a backward call shape
+        (_bwd_key), built once: a repeat call only looks it up."""
+        spec = _config.bwd_spec(*key[:-1], vendor=self.vendor, pair=key[-1])
         kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, spec, rmsnorm_bwd.argtypes(spec))
         reduce = None
-        reduce_spec = _config.reduce_spec(spec.weight)
+        reduce_spec = _config.reduce_spec(spec.weight, spec.pair_twin)
         if spec.weight:
             reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, reduce_spec,
                                  rmsnorm_bwd.reduce_argtypes(reduce_spec))
         plan = self._bwd_plans[key] = (spec, kernel, reduce, reduce_spec)
         return plan
 
+    def _bwd_key(self, key, m):
+        """The plan key of a backward call of ``m`` rows: ``key`` (n, dtype, weight dtype,
+        vector, recompute rstd, dresidual) and whether its rows pair (_config.bwd_pair_rows)."""
+        return key + (_config.bwd_pair_rows(m, self.sm_count, self.vendor),)
+
     def _bwd_launch_shape(self, key, m):
         """(kernel, grid, block, dweight reduction kernel, its grid, its block, workspace rows)
         of a backward call of ``m`` rows."""
+        key = self._bwd_key(key, m)
         spec, kernel, reduce, reduce_spec = self._bwd_plans.get(key) or self._bwd_plan(key)
         programs = _config.bwd_programs(spec, m, self.sm_count, self.vendor)
         columns, groups = reduce_spec.columns, reduce_spec.groups
         return (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1), reduce,
                 ((spec.layout.n + columns - 1) // columns, 1, 1), (columns, groups, 1),
-                programs * spec.rows)
+                _config.bwd_ws_rows(spec, programs))
 
     def bwd_runner(self, io, shape, m, n, strides, dtype, weight_dtype, has_rstd, has_dres):
         """``run(dy, x, weight, rstd, dresidual, eps, weight_offset) -> (dx, dweight)`` for

@@ -32,6 +32,10 @@ Names every GPU namespace provides
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
                                   two <= warp), every lane gets the result (warp_max: NaN wins)
 ``atomic_add_f32``                 float32 atomic add at ``ptr[i]``
+``row_barrier(group, threads)``    a barrier of one row group's ``threads`` threads (CUDA: named
+                                  barrier 1 + group); the whole block where there are no named
+                                  barriers (AMD, the simulator): every group must then pass it
+                                  as many times
 """
 import functools
 

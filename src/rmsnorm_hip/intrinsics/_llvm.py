@@ -323,3 +323,28 @@ def _target_cc():
     lowers, which ahead-of-time builds answer with their target (backends.cuda._targeting)."""
     from numba.cuda import dispatcher
     return tuple(dispatcher.get_current_device().compute_capability)
+
+
+def define_named_barrier(intrinsic):
+    """``row_barrier(group, threads)``: PTX ``bar.sync 1 + group, threads``, a barrier of the
+    ``threads`` threads (whole warps) of one row group of a block, so that two rows sharing a
+    block wait for their own warps only (barrier 0 stays ``syncthreads``'s).  Convergent: every
+    thread of the group reaches it from the same place."""
+
+    @intrinsic
+    def row_barrier(typingctx, group, threads):
+        if not (isinstance(group, types.Integer) and isinstance(threads, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            bar = context.cast(builder, args[0], sig.args[0], types.int32)
+            count = context.cast(builder, args[1], sig.args[1], types.int32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [I32, I32]),
+                               "bar.sync $0, $1;", "r,r,~{memory}", side_effect=True)
+            builder.call(asm, [builder.add(bar, ir.Constant(I32, 1)), count],
+                         attrs=("convergent",))
+            return context.get_dummy_value()
+
+        return types.void(group, threads), codegen
+
+    return row_barrier

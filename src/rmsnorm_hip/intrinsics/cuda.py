@@ -48,6 +48,7 @@ def build():
         return pack_e4m3x2(value, float32(0.0)) & uint32(0xFF)
 
     shared.update(quant, f32_to_e4m3=f32_to_e4m3)
+    shared.update(row_barrier=_llvm.define_named_barrier(intrinsic))
     return SimpleNamespace(name="cuda", warp=WARP, shared_alignment=16,
                            gpu=cuda, jitable=register_jitable,
                            **compiled, **shared)

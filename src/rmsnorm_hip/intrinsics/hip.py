@@ -37,6 +37,12 @@ def _shfl_xor(value, offset):
     return hip.shfl_xor(value, int32(offset), int32(WARP))
 
 
+@register_jitable
+def _row_barrier(group, threads):
+    # no named barriers on gfx942 / gfx950: the whole workgroup (callers keep the count uniform)
+    hip.syncthreads()
+
+
 def build():
     compiled = _llvm.define(intrinsic)
     shared = vars(_shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
@@ -46,5 +52,5 @@ def build():
     # from unrolling the chunk loop, and the row cache then lives in scratch memory.
     shared.update(_llvm.define_hw_f16(intrinsic))
     return SimpleNamespace(name="hip", warp=WARP, shared_alignment=None,
-                           gpu=hip, jitable=register_jitable,
+                           gpu=hip, jitable=register_jitable, row_barrier=_row_barrier,
                            **compiled, **shared)

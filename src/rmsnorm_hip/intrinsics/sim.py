@@ -139,6 +139,11 @@ def atomic_add_f32(ptr, idx, value):
         ptr[idx] = float32(ptr[idx] + float32(value))
 
 
+def row_barrier(group, threads):
+    # the simulator's barrier is the block's: callers keep the count uniform across row groups
+    _kernel_module().syncthreads()
+
+
 def _make_shfl_xor(warp):
     def warp_state():
         thread = threading.current_thread()
@@ -177,4 +182,5 @@ def build(warp):
                            align_offset=align_offset,
                            max_abs=max_abs, max_abs_nan=max_abs_nan,
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
-                           atomic_add_f32=atomic_add_f32, **vars(shared))
+                           atomic_add_f32=atomic_add_f32, row_barrier=row_barrier,
+                           **vars(shared))

@@ -5,7 +5,7 @@ fixed by its :class:`RowLayout` (threads per row, chunks per thread), which is a
 the dtype only.  Everything else (rows per block, grid, vector or scalar access) may follow M and
 the pointers, because every such variant computes the same per-chunk sums in the same order.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import _dtypes
 
@@ -288,6 +288,36 @@ BWD_PACK_SCALAR_MIN_CHUNKS = {"cuda": 2, "hip": 2}
 BWD_TWO_CHUNK_MIN_THREADS = {"cuda": 1024, "hip": None}
 
 
+# packed 16-bit rows of up to 512 threads x 1 chunk (N = 1025..4096) run two to a block
+# (one block per SM instead of two), each row waiting at its own named barrier
+# (intrinsics row_barrier), and the two rows' dweight partials summed in shared memory into one
+# workspace row: half the partial rows to write and to reduce.  Session 11 paired rows at the
+# block's barrier and lost what it saved to rows waiting for each other (benchmarks/NOTES.md).
+# H200, bf16 N = 4096, us (kernel 1 + reduction), three rounds, unpaired / paired
+# (results/tune_h200_20261201_s17/tune_bwd_paired.json; dresidual two rounds):
+#   1024 rows 12.8, 13.0, 12.8 / 11.9, 12.0, 12.0     2048 rows 19.3, 19.2, 19.4 / 18.7 (x3)
+#   4096 rows 31.9, 31.6, 31.6 / 31.8, 31.8, 31.4     8192 rows 56.2, 56.3, 56.6 / 55.8 (x3)
+#   32768 rows 197.8, 198.1, 197.6 / 196.9, 197.2, 197.1
+#   dresidual 4096 rows 39.0, 39.1 / 39.3, 39.2; 2048 rows 23.3, 23.1 / 22.9, 23.0
+# The reduction 2.3-2.7 -> 2.0-2.4 us everywhere; kernel 1 shorter at 1024-2048 rows, level
+# from 4096.  No named barriers on AMD: not there
+BWD_PAIRED_ROWS = {"cuda": True, "hip": False}
+# ...where the call has at least this many rows per SM (bwd_pair_rows): a grid of fewer rows runs
+# a block or less per SM, and there the 1024-thread block is slower.  H200, bf16 N = 4096, us,
+# unpaired / paired, two rounds (tune_bwd_paired_small.json): 1 row 4.06, 4.05 / 4.94, 4.96;
+# 32 rows 4.48, 4.53 / 5.60, 5.54; 132 rows 6.31, 6.30 / 6.24, 6.24; 264 rows 8.38, 8.37 / 7.74,
+# 7.76; 528 rows 9.74, 9.73 / 9.07, 9.02
+BWD_PAIRED_MIN_ROWS_PER_SM = 2
+
+
+def bwd_pair_rows(m, sm_count, vendor="cuda"):
+    """Whether a backward call of ``m`` rows pairs its rows where the layout allows
+    (BWD_PAIRED_ROWS): part of the call's kernel choice, as the grid's programs are.  dweight's
+    summation order already depends on M; dx's does not (pairing leaves each row's reduction
+    as it is)."""
+    return bool(BWD_PAIRED_ROWS[vendor]) and m >= BWD_PAIRED_MIN_ROWS_PER_SM * sm_count
+
+
 def bwd_row_layout(n, dtype, vendor="cuda"):
     """The backward's per-row layout (a function of N and dtype only on a given vendor's GPUs: dx
     is batch invariant).  Rows too long to cache take BWD_LOOPED_THREADS: at 1024 threads the
@@ -319,9 +349,18 @@ class BwdSpec:
     early_dres: bool = False    # packed rows: dresidual's words loaded before the reduction too
     prefetch_rstd: bool = False     # prefetching rows: the next row's rstd loaded with its words
     hold_weight: bool = True        # cached rows: the weight's floats held for the whole program
+    paired: bool = False    # two rows a block at their own barriers, one partial row (BWD_PAIRED_ROWS)
+    # one row a block standing in for a paired kernel (the scalar form of a call shape whose
+    # vector form pairs): twice the paired grid's programs, so programs 2p and 2p + 1 walk paired
+    # program p's two rows, and the reduction sums their partial rows pairwise first
+    # (ReduceSpec.pairs): dweight is then bitwise the paired kernel's, as API.md asks of a
+    # row-strided call against its contiguous copy
+    pair_twin: bool = False
 
 
-def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda"):
+def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True):
+    """The backward kernel of a call shape; ``pair``: rows of the layouts that pair do
+    (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call)."""
     layout = bwd_row_layout(n, dtype, vendor)
     itemsize = _dtypes.ITEMSIZE[dtype]
     # 16-bit rows of 2 chunks a thread keep their words in the scalar (unaligned) form too: as
@@ -345,13 +384,41 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda")
         # the weight held too they spilled 8-28 B (ptxas 13.0, N = 8192 as 1024 x 1, which AMD
         # keeps; float32 N = 8192 is such a row on CUDA too); they load it with each chunk
         hold_weight = not (dresidual and layout.threads >= 1024)
-    return BwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
+    rows = rows_per_block(layout)
+    # rows that pair (BWD_PAIRED_ROWS) do in their packed (vector) form; the scalar form keeps
+    # one row a block (as floats it takes 80-97 registers: a 1024-thread block would spill) and
+    # stands in for the pair: see BwdSpec.pair_twin
+    pairable = bool(pair and BWD_PAIRED_ROWS[vendor] and weight and itemsize == 2 and BWD_PACK_16BIT
+                    and layout.cached and rows == 1 and layout.chunks_per_thread == 1
+                    and bwd_blocks_per_sm(layout) == 2)
+    paired = pairable and packed
+    return BwdSpec(layout=layout, rows=2 if paired else rows, dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
                    packed=packed, prefetch=prefetch,
                    early_dres=packed and dresidual and BWD_EARLY_DRESIDUAL and ahead,
                    prefetch_rstd=(prefetch and not recompute_rstd and not dresidual
                                   and BWD_PREFETCH_RSTD),
-                   hold_weight=hold_weight)
+                   hold_weight=hold_weight, paired=paired, pair_twin=pairable and not packed)
+
+
+def bwd_spec_blocks_per_sm(spec):
+    """Blocks per SM of a backward kernel: a paired block is two of its layout's."""
+    return max(1, bwd_blocks_per_sm(spec.layout) // (2 if spec.paired else 1))
+
+
+def bwd_partial_order(spec, m, sm_count, vendor="cuda"):
+    """(row walkers, rows a partial is summed over before the reduction) of a backward grid:
+    what sets dweight's summation order, the same for every variant of a call shape."""
+    programs = bwd_programs(spec, m, sm_count, vendor)
+    if spec.paired:
+        return programs * 2, 2
+    return programs * spec.rows, 2 if spec.pair_twin else 1
+
+
+def bwd_ws_rows(spec, programs):
+    """Partial dweight rows a backward grid of ``programs`` writes: one per row of each block,
+    or one per block where its rows are summed first (paired)."""
+    return programs * (1 if spec.paired else spec.rows)
 
 
 def launch_bounds(spec):
@@ -365,7 +432,7 @@ def launch_bounds(spec):
     if not isinstance(spec, BwdSpec):
         return None, None
     threads = spec.layout.threads * spec.rows
-    blocks = bwd_blocks_per_sm(spec.layout) if spec.packed else 1
+    blocks = bwd_spec_blocks_per_sm(spec) if spec.packed else 1
     return threads, (blocks if blocks > 1 else None)
 
 
@@ -420,11 +487,12 @@ class ReduceSpec:
     columns: int
     groups: int
     batch: int              # loads a thread issues before adding them
+    pairs: bool = False     # workspace rows 2q and 2q + 1 summed first (BwdSpec.pair_twin)
 
 
-def reduce_spec(weight):
+def reduce_spec(weight, pairs=False):
     return ReduceSpec(weight=weight, columns=BWD_REDUCE_COLUMNS, groups=BWD_REDUCE_GROUPS,
-                      batch=BWD_REDUCE_BATCH)
+                      batch=BWD_REDUCE_BATCH, pairs=pairs)
 
 
 def bwd_programs(spec, m, sm_count, vendor="cuda"):
@@ -441,10 +509,13 @@ def bwd_programs(spec, m, sm_count, vendor="cuda"):
     BWD_BALANCE_MAX_STEPS row blocks, the grid shrinks to the fewest programs that walk no more
     than the busiest would (4096x4096 on an H200: 256 programs of 16 rows instead of 264 of 15
     or 16)."""
+    if spec.pair_twin:
+        paired = replace(spec, rows=2, paired=True, pair_twin=False)
+        return 2 * bwd_programs(paired, m, sm_count, vendor)
     if vendor == "hip":
         per_sm = max(1, min(BWD_BLOCKS_PER_SM, 2048 // (spec.layout.threads * spec.rows)))
     else:
-        per_sm = bwd_blocks_per_sm(spec.layout)
+        per_sm = bwd_spec_blocks_per_sm(spec)
     blocks = max(1, ceil_div(m, spec.rows))
     programs = min(blocks, per_sm * sm_count)
     steps = ceil_div(blocks, programs)      # row blocks the busiest program takes

@@ -286,11 +286,13 @@ def reduce_buffer_shape(intr, bufs, rows, threads):
     return (bufs, rows, 4 * ceil_div(warps, 4) if pad else warps)
 
 
-def make_row_sum(intr, threads):
+def make_row_sum(intr, threads, row_barriers=False):
     """Sum a float32 over the ``threads`` threads of a row (threadIdx.x), every thread gets it.
     Lanes of a warp combine by xor-butterfly, warps of a row through ``red[buf, row_in_block, :]``
-    (``buf`` alternates between consecutive reductions of a block, so one barrier each suffices)."""
-    return _make_row_reduce(intr, threads, intr.warp_sum, _add(intr))
+    (``buf`` alternates between consecutive reductions of a block, so one barrier each suffices).
+    ``row_barriers``: each row of the block waits at its own barrier (``intr.row_barrier``)
+    instead of the block's, so rows sharing a block do not wait for each other."""
+    return _make_row_reduce(intr, threads, intr.warp_sum, _add(intr), row_barriers)
 
 
 def make_row_sum_max(intr, threads):
@@ -353,13 +355,13 @@ def _make_fold(intr, warps, combine):
     return fold
 
 
-def _make_row_reduce(intr, threads, warp_reduce, combine):
+def _make_row_reduce(intr, threads, warp_reduce, combine, row_barriers=False):
     """``row_reduce(value, red, buf, ty, tx)``: ``warp_reduce`` over the lanes of each warp, then
     ``combine`` over the row's warps in warp order through shared memory."""
     warp = intr.warp
     lanes = min(threads, warp)
     warps_per_row = ceil_div(threads, warp)
-    gpu = intr.gpu
+    gpu, row_barrier = intr.gpu, getattr(intr, "row_barrier", None)
     fold = _make_fold(intr, warps_per_row, combine)
 
     @intr.jitable
@@ -368,7 +370,10 @@ def _make_row_reduce(intr, threads, warp_reduce, combine):
         if warps_per_row > 1:
             if tx % warp == 0:
                 red[buf, ty, tx // warp] = value
-            gpu.syncthreads()
+            if row_barriers:
+                row_barrier(ty, threads)
+            else:
+                gpu.syncthreads()
             value = fold(red, buf, ty)
         return value
 

@@ -28,12 +28,14 @@ class Variant:
     def label(self):
         s = self.spec
         if self.op == "bwd_reduce":
-            return f"bwd_reduce:w={s.weight}:groups={s.groups}"
+            return f"bwd_reduce:w={s.weight}:groups={s.groups}" + (":pairs" if s.pairs else "")
         layout = s.layout
-        path = ("looped" if not layout.cached else "multirow" if s.rows > 1 else "row")
+        path = ("looped" if not layout.cached else "paired" if getattr(s, "paired", False)
+                else "multirow" if s.rows > 1 else "row")
         access = "vec" if s.vector else "scalar"
         if self.op == "bwd":
-            flags = f"recompute={int(s.recompute_rstd)}:dres={int(s.dresidual)}"
+            flags = (f"recompute={int(s.recompute_rstd)}:dres={int(s.dresidual)}"
+                     + (":twin" if s.pair_twin else ""))
         else:
             flags = f"rstd={int(s.store_rstd)}"
             if getattr(s, "fused", False):
@@ -123,14 +125,17 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
                 for vector in ([True, False] if n % layout.chunk == 0 else [False]):
                     for recompute in (False, True):
                         for dres in (False, True):
-                            spec = _config.bwd_spec(n, dtype, weight, vector, recompute, dres,
-                                                    vendor)
-                            yield Variant("bwd", rmsnorm_bwd.make_rmsnorm_bwd, spec,
-                                          rmsnorm_bwd.argtypes(spec))
+                            # calls of few rows do not pair (bwd_pair_rows): both kernels
+                            specs = {_config.bwd_spec(n, dtype, weight, vector, recompute, dres,
+                                                      vendor, pair) for pair in (True, False)}
+                            for spec in sorted(specs, key=lambda s: s.paired or s.pair_twin):
+                                yield Variant("bwd", rmsnorm_bwd.make_rmsnorm_bwd, spec,
+                                              rmsnorm_bwd.argtypes(spec))
     for weight in _dtypes.ACTIVATION_DTYPES:
-        spec = _config.reduce_spec(weight)
-        yield Variant("bwd_reduce", rmsnorm_bwd.make_dweight_reduce, spec,
-                      rmsnorm_bwd.reduce_argtypes(spec))
+        for pairs in ((False, True) if _config.BWD_PAIRED_ROWS[vendor] else (False,)):
+            spec = _config.reduce_spec(weight, pairs)
+            yield Variant("bwd_reduce", rmsnorm_bwd.make_dweight_reduce, spec,
+                          rmsnorm_bwd.reduce_argtypes(spec))
 
 
 def variants(vendor="cuda"):

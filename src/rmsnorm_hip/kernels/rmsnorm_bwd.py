@@ -12,7 +12,11 @@ program's workspace row (looped layouts, read-modify-write: that row and those c
 the thread alone).  ``dweight_reduce`` then sums the workspace ``ws[P * rows, N]`` column-wise in a
 fixed order: dweight is the same bits on every run with the same P (a function of M, N and the
 device).  With ``recompute_rstd`` the row's sum of squares is reduced in the same pass as
-sum(x * wdy), exactly as the forward reduces it.
+sum(x * wdy), exactly as the forward reduces it.  Paired blocks (``spec.paired``, CUDA) hold two
+rows that wait at their own named barriers and sum their partials into one workspace row; the
+scalar kernel of such a call shape stands in for the pair (``spec.pair_twin``: two programs per
+paired program, their workspace rows summed pairwise first by ``dweight_reduce``), so both sum
+dweight in the same order.
 """
 import math
 
@@ -75,7 +79,10 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     dres_words = words if early_dres else 1
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
-    row_sum = make_row_sum(intr, threads)
+    # paired rows (spec.paired): each row of the block at its own barrier, one partial row
+    paired = spec.paired and cached and has_weight
+    half = span // 2
+    row_sum = make_row_sum(intr, threads, row_barriers=spec.paired)
     red_shape, red_align = reduce_buffer_shape(intr, 2, rows, threads), intr.shared_alignment
     n_f32 = float32(n)
     # cached vector layouts write their partial dweight rows to the workspace (float32,
@@ -162,7 +169,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             if tx == 0 and ty == 0:
                 zero[0] = int32(m >> 62)
             gpu.syncthreads()
-        ws_start = (program * rows + ty) * n
+        part = gpu.shared.array((2, half, threads) if paired else (1, 1, 1), float32)
+        ws_start = (program if paired else program * rows + ty) * n
         parity = 0
         r_next = float32(0.0)
         # the first row's words are asked for before the weight: every program loads the same
@@ -292,7 +300,28 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 for e in range(words):
                     xw[e] = xn[e]
                     dw[e] = dn[e]
-        if cached and has_weight:
+        if paired:
+            # each row hands the other the half of its partial that the other stores, so both
+            # store 16 bytes; each sum is row 0's + row 1's (a + b is b + a, bit for bit)
+            if ty == 0:
+                for e in range(half):
+                    part[0, e, tx] = acc[half + e]
+            else:
+                for e in range(half):
+                    part[1, e, tx] = acc[e]
+            gpu.syncthreads()
+            col0 = tx * chunk
+            if ty == 0:
+                for e in range(half):
+                    acc[e] += part[1, e, tx]
+                if col0 < n:
+                    ws_store_4(ws, ws_start, col0, acc, 0)
+            else:
+                for e in range(half):
+                    acc[half + e] += part[0, e, tx]
+                if col0 + half < n:
+                    ws_store_4(ws, ws_start, col0 + half, acc, half)
+        elif cached and has_weight:
             for k in range(per_thread):
                 ws_store(ws, ws_start, (tx + k * threads) * chunk, acc, k * chunk)
 
@@ -309,25 +338,33 @@ def make_dweight_reduce(intr, spec: ReduceSpec):
     rows ty, ty + G, ... of column ``columns * b + tx`` one after the other; the G partial sums
     are then added in group order.  The loads go out ``batch`` at a time before their adds (the
     adds keep row order, so the bits are those of one load at a time): the reduction is a chain
-    of memory latencies, not of bandwidth (~4 MB)."""
+    of memory latencies, not of bandwidth (~4 MB).  With ``spec.pairs`` a "row" is the sum of
+    workspace rows 2q and 2q + 1 (the rows of a paired kernel's program, BwdSpec.pair_twin)."""
     gpu, jitable = intr.gpu, intr.jitable
     encode = codec(intr, spec.weight)[1]
-    columns, groups, batch = spec.columns, spec.groups, spec.batch
+    columns, groups, batch, pairs = spec.columns, spec.groups, spec.batch, spec.pairs
+    span = 2 if pairs else 1     # workspace rows per summed row
+
+    @jitable
+    def row_value(ws, at, n):
+        if pairs:
+            return ws[at] + ws[at + n]
+        return ws[at]
 
     @jitable
     def column_sum(ws, col, first, count, n, vals):
-        """sum of ws[first + i * groups, col] for i < count, in order."""
+        """sum of row first + i * groups of column col for i < count, in order."""
         total = float32(0.0)
-        stride = int64(groups) * n
-        at = int64(first) * n + col
+        stride = int64(groups * span) * n
+        at = int64(first * span) * n + col
         for _ in range(count // batch):
             for k in range(batch):
-                vals[k] = ws[at + k * stride]
+                vals[k] = row_value(ws, at + k * stride, n)
             for k in range(batch):
                 total += vals[k]
             at += batch * stride
         for _ in range(count % batch):
-            total += ws[at]
+            total += row_value(ws, at, n)
             at += stride
         return total
 
@@ -337,9 +374,10 @@ def make_dweight_reduce(intr, spec: ReduceSpec):
         col = int64(gpu.blockIdx.x) * columns + tx
         part = gpu.shared.array((groups, columns), float32)
         vals = gpu.local.array(batch, float32)
+        rows = ws_rows // span
         total = float32(0.0)
-        if col < n and ty < ws_rows:
-            total = column_sum(ws, col, ty, (ws_rows - ty + groups - 1) // groups, n, vals)
+        if col < n and ty < rows:
+            total = column_sum(ws, col, ty, (rows - ty + groups - 1) // groups, n, vals)
         part[ty, tx] = total
         gpu.syncthreads()
         if ty == 0 and col < n:
