@@ -317,7 +317,7 @@ def test_programs_do_not_depend_on_the_variant(vendor):
     # CUDA balances grids of at most 16 row blocks a program (bwd_programs), and pairs 16-bit
     # rows of 512 threads (BWD_PAIRED_ROWS): 128 programs of two rows
     assert programs[4096, "bfloat16", True, 4096] == ((256, 2) if cuda else (264, 1))
-    assert programs[4096, "bfloat16", True, 263] == ((263, 1) if cuda else (263, 1))
+    assert programs[4096, "bfloat16", True, 263] == (263, 1)   # under 2 rows per SM
     assert programs[4096, "bfloat16", True, 264] == ((264, 2) if cuda else (264, 1))
     assert programs[4096, "bfloat16", True, 7] == (7, 1)     # few rows: not paired
     assert programs[4096, "bfloat16", False, 4096] == ((256, 1) if cuda else (264, 1))
@@ -538,37 +538,45 @@ def test_sim_dweight_reduce_keeps_its_order(rng, use_backend, wdtype, ws_rows, p
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("n", [4096, 4000])
-@pytest.mark.parametrize("given_rstd,dres", [(True, False), (False, False), (True, True)],
+@pytest.mark.parametrize("n,wdtype,given_rstd,dres", [(4096, BFLOAT16, True, False),
+                                                      (4000, FLOAT32, False, False),
+                                                      (4000, FLOAT32, True, True)],
                          ids=["rstd", "recompute", "dresidual"])
-def test_sim_paired_rows(rng, use_backend, monkeypatch, n, given_rstd, dres):
+def test_sim_paired_rows(rng, use_backend, monkeypatch, n, wdtype, given_rstd, dres):
     """Two 512-thread rows a block at their own barriers, their dweight partials summed into one
     workspace row (BWD_PAIRED_ROWS): dx bitwise the unpaired kernel's, dweight against float64,
-    every workspace and output element written, and a row-strided call (the scalar twin) bitwise
-    the contiguous one.  One simulated program walks 3 row blocks of 2, the last one half past
-    M."""
+    every workspace and output element written, and a row-strided call (the scalar twin: twice
+    the programs, partial rows reduced pairwise) bitwise the contiguous one.  On a simulated GPU
+    of 2 SMs, 13 rows are 7 row blocks of 2 on 2 programs (4 and 3 blocks, the last one half past
+    M), and the twin runs 4 programs.  A float32 weight keeps dweight's summation order visible
+    (a bf16 dweight's rounding can hide it)."""
     be = use_backend("sim")
+    monkeypatch.setattr(be, "sm_count", 2)
     _nan_outputs(monkeypatch)
     _patch(monkeypatch, "BWD_PAIRED_ROWS", {"cuda": True, "hip": False})
-    x, dy, w, rstd, dr, dx, dw = run_case(rng, (5, n), BFLOAT16, BFLOAT16,
+    x, dy, w, rstd, dr, dx, dw = run_case(rng, (13, n), BFLOAT16, wdtype,
                                           given_rstd=given_rstd, dres=dres)
     spec = _ran(be)
     assert spec.paired and spec.rows == 2
+    assert be._bwd_launch_shape((n, BFLOAT16, wdtype, True, not given_rstd, dres), 13)[1] \
+        == (2, 1, 1)
     # a row-strided copy one element off 16 bytes takes the scalar kernel, one row a block,
     # standing in for the pair: the same bits
     functional.forget_plans()
-    wide = [np.empty((5, n + 1), a.dtype) for a in (x, dy)]
+    wide = [np.empty((13, n + 1), a.dtype) for a in (x, dy)]
     for out, a in zip(wide, (x, dy)):
         out[:, 1:] = a
     dr_wide = None
     if dr is not None:
-        dr_wide = np.empty((5, n + 1), dr.dtype)
+        dr_wide = np.empty((13, n + 1), dr.dtype)
         dr_wide[:, 1:] = dr
         dr_wide = dr_wide[:, 1:]
     strided = rms_norm_backward(wide[1][:, 1:], wide[0][:, 1:], w, rstd if given_rstd else None,
                                 dresidual=dr_wide)
     twin = _ran(be)
     assert twin.pair_twin and not twin.vector and twin.rows == 1
+    assert be._bwd_launch_shape((n, BFLOAT16, wdtype, False, not given_rstd, dres), 13)[1] \
+        == (4, 1, 1)
     assert_bitwise(strided[0], dx, "dx, row-strided vs contiguous")
     assert_bitwise(strided[1], dw, "dweight, row-strided vs contiguous")
     _patch(monkeypatch, "BWD_PAIRED_ROWS", {"cuda": False, "hip": False})

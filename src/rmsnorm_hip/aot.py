@@ -181,6 +181,9 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             ld_shared_f32=len(re.findall(r"\bld\.shared\.f32\b", ptx)),
             ld_shared_v4=len(re.findall(r"\bld\.shared\.v4\.f32\b", ptx)),
             local_depot="__local_depot" in ptx,
+            # bar.sync with a thread count: a named barrier (``bar.sync 0;`` is syncthreads)
+            named_barriers=len(re.findall(r"\bbar\.sync\s+[^;,]+,[^;]+;", ptx)),
+            paired=bool(getattr(variant.spec, "paired", False)),
             shared_bytes=sum(int(n) for n in re.findall(
                 r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
         )
@@ -277,6 +280,10 @@ def problems(record, target):
             out.append("vector path without ld/st.global.v4")
         if record.get("vector") and record.get("st_global_byte"):
             out.append("vector path stores bytes one by one")
+        if record.get("paired") and not record.get("named_barriers"):
+            # the rows of a paired block wait for each other at syncthreads: what pairing
+            # exists to avoid (kernels/_config.BWD_PAIRED_ROWS)
+            out.append("paired rows without named barriers")
         if (record["op"] != "bwd_reduce" and record.get("ld_shared_f32", 0) >= 4
                 and not record.get("ld_shared_v4")):
             # rows of 4 warps or more read their warps' partials 4 at a time

@@ -288,7 +288,7 @@ BWD_PACK_SCALAR_MIN_CHUNKS = {"cuda": 2, "hip": 2}
 BWD_TWO_CHUNK_MIN_THREADS = {"cuda": 1024, "hip": None}
 
 
-# packed 16-bit rows of up to 512 threads x 1 chunk (N = 1025..4096) run two to a block
+# packed 16-bit rows of 512 threads x 1 chunk (N = 3585..4096) run two to a 1024-thread block
 # (one block per SM instead of two), each row waiting at its own named barrier
 # (intrinsics row_barrier), and the two rows' dweight partials summed in shared memory into one
 # workspace row: half the partial rows to write and to reduce.  Session 11 paired rows at the
@@ -300,7 +300,8 @@ BWD_TWO_CHUNK_MIN_THREADS = {"cuda": 1024, "hip": None}
 #   32768 rows 197.8, 198.1, 197.6 / 196.9, 197.2, 197.1
 #   dresidual 4096 rows 39.0, 39.1 / 39.3, 39.2; 2048 rows 23.3, 23.1 / 22.9, 23.0
 # The reduction 2.3-2.7 -> 2.0-2.4 us everywhere; kernel 1 shorter at 1024-2048 rows, level
-# from 4096.  No named barriers on AMD: not there
+# from 4096.  Shorter rows (fewer threads, two blocks per SM that hold less than 1024 threads)
+# were not measured and do not pair.  No named barriers on AMD: not there
 BWD_PAIRED_ROWS = {"cuda": True, "hip": False}
 # ...where the call has at least this many rows per SM (bwd_pair_rows): a grid of fewer rows runs
 # a block or less per SM, and there the 1024-thread block is slower.  H200, bf16 N = 4096, us,
@@ -389,8 +390,8 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
     # one row a block (as floats it takes 80-97 registers: a 1024-thread block would spill) and
     # stands in for the pair: see BwdSpec.pair_twin
     pairable = bool(pair and BWD_PAIRED_ROWS[vendor] and weight and itemsize == 2 and BWD_PACK_16BIT
-                    and layout.cached and rows == 1 and layout.chunks_per_thread == 1
-                    and bwd_blocks_per_sm(layout) == 2)
+                    and layout.cached and layout.chunks_per_thread == 1
+                    and 2 * layout.threads == MAX_THREADS and bwd_blocks_per_sm(layout) == 2)
     paired = pairable and packed
     return BwdSpec(layout=layout, rows=2 if paired else rows, dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
