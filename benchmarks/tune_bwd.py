@@ -24,7 +24,10 @@ Session 16 ran ``cluster_eight`` / ``_four`` / ``_two`` / ``_one`` / ``no_cluste
 rows summed across a thread-block cluster first: the knobs, and benchmarks/check_cluster.py, are
 on branch exp/cluster-combine) and ``p_fit`` / ``p_balanced`` / ``p_round``.  Session 17 ran
 ``reduce_g*_b*`` (the reduction's loads in one round or not) and ``paired`` / ``unpaired``
-(BWD_PAIRED_ROWS; correctness on the GPU: benchmarks/check_paired.py).
+(BWD_PAIRED_ROWS; correctness on the GPU: benchmarks/check_paired.py).  Session 18 ran
+``stream_off`` / ``stream_cs`` and ``stream_ef`` / ``stream_cs_st`` / ``stream_ef_st`` /
+``stream_st_only`` (an L2 evict-first policy instead of ld.global.cs, and the dx stores
+hinted; knobs since removed).
 """
 import argparse
 import json
@@ -100,6 +103,10 @@ SETTINGS = {
     # partial row per block (session 17), or one row a block as before
     "paired": {"BWD_PAIRED_ROWS": {"cuda": True, "hip": False}},
     "unpaired": {"BWD_PAIRED_ROWS": {"cuda": False, "hip": False}},
+    # x, dy and dresidual loaded evict-first (ld.global.cs) at every M, or at none (session 18
+    # also ran an L2 evict-first policy and hinted dx stores, knobs since removed)
+    "stream_off": {"BWD_STREAM_MAX_BYTES": 0},
+    "stream_cs": {"BWD_STREAM_LOADS": {"cuda": True, "hip": False}, "BWD_STREAM_MAX_BYTES": 1 << 60},
 }
 
 

@@ -194,7 +194,7 @@ def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, d
     assert _ran(be).prefetch
     assert_dweight(packed[1], rms_norm_backward_ref(dy, x, w, None)[1], dtype)
     _patch(monkeypatch, "BWD_PREFETCH", False)
-    spec = _config.bwd_spec(1024, dtype, dtype, True, True, False)
+    spec = _config.bwd_spec(1024, dtype, dtype, True, True, False, stream=True)  # a small call
     assert spec.packed and not spec.prefetch
     unfetched = rms_norm_backward(dy, x, w)
     assert _ran(be) == spec
@@ -445,7 +445,7 @@ def test_sim_next_rstd_gives_the_in_row_bits(rng, use_backend, monkeypatch, dtyp
     assert_dweight(ahead[1], ref[1], dtype)
     assert _ran(be).prefetch_rstd
     _patch(monkeypatch, "BWD_PREFETCH_RSTD", False)
-    spec = _config.bwd_spec(1024, dtype, dtype, True, False, False)
+    spec = _config.bwd_spec(1024, dtype, dtype, True, False, False, stream=True)  # a small call
     assert spec.prefetch and not spec.prefetch_rstd
     in_row = rms_norm_backward(dy, x, w, rstd)
     assert _ran(be) == spec
@@ -474,6 +474,35 @@ def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, 
     assert not _ran(be).early_dres
     assert_bitwise(early[0], late[0], "dx, early vs late dresidual")
     assert_bitwise(early[1], late[1], "dweight, early vs late dresidual")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,dres", [("bfloat16", True), ("float32", False)])
+def test_sim_stream_loads_give_the_plain_bits(rng, use_backend, monkeypatch, dtype, dres):
+    """Calls of few bytes load x, dy and dresidual evict-first (BwdSpec.stream_loads,
+    _config.bwd_stream_rows): where the lines go changes, not what is read, so the same bits as
+    the plain kernel, and the float64 contract."""
+    be = use_backend("sim")
+    x, dy, dr = (random_array(rng, (5, 1024), dtype) for _ in range(3))
+    dr = dr if dres else None
+    w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True)[1]
+    assert _config.bwd_stream_rows(5, 1024, dtype)       # the simulator takes CUDA's choices
+    hinted = rms_norm_backward(dy, x, w, rstd, dresidual=dr)
+    assert _ran(be).stream_loads
+    ref = rms_norm_backward_ref(dy, x, w, rstd, dresidual=dr)
+    assert_dx(hinted[0], dy, x, w, rstd, ref[0], dtype)
+    assert_dweight(hinted[1], ref[1], dtype)
+    # one byte over the limit: the plain kernel
+    _patch(monkeypatch, "BWD_STREAM_MAX_BYTES", x.nbytes - 1)
+    plain = rms_norm_backward(dy, x, w, rstd, dresidual=dr)
+    assert not _ran(be).stream_loads
+    assert_bitwise(plain[0], hinted[0], "dx, evict-first loads vs plain")
+    assert_bitwise(plain[1], hinted[1], "dweight, evict-first loads vs plain")
+    # scalar (row-strided) calls never take it
+    assert not _config.bwd_spec(1024, dtype, dtype, False, False, dres, stream=True).stream_loads
+    assert not _config.bwd_spec(1024, dtype, dtype, True, False, dres, "hip",
+                                stream=True).stream_loads
 
 
 @pytest.mark.sim

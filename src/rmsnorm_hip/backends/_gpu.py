@@ -207,7 +207,7 @@ class GpuBackend:
     def _bwd_plan(self, key):
         """(spec, kernel, dweight reduction kernel or None, its spec) of a backward call shape
         (_bwd_key), built once: a repeat call only looks it up."""
-        spec = _config.bwd_spec(*key[:-1], vendor=self.vendor, pair=key[-1])
+        spec = _config.bwd_spec(*key[:-2], vendor=self.vendor, pair=key[-2], stream=key[-1])
         kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, spec, rmsnorm_bwd.argtypes(spec))
         reduce = None
         reduce_spec = _config.reduce_spec(spec.weight, spec.pair_twin)
@@ -219,8 +219,10 @@ class GpuBackend:
 
     def _bwd_key(self, key, m):
         """The plan key of a backward call of ``m`` rows: ``key`` (n, dtype, weight dtype,
-        vector, recompute rstd, dresidual) and whether its rows pair (_config.bwd_pair_rows)."""
-        return key + (_config.bwd_pair_rows(m, self.sm_count, self.vendor),)
+        vector, recompute rstd, dresidual), whether its rows pair (_config.bwd_pair_rows) and
+        whether they take the streaming cache hints (_config.bwd_stream_rows)."""
+        return key + (_config.bwd_pair_rows(m, self.sm_count, self.vendor),
+                      _config.bwd_stream_rows(m, key[0], key[1], self.vendor))
 
     def _bwd_launch_shape(self, key, m):
         """(kernel, grid, block, dweight reduction kernel, its grid, its block, workspace rows)

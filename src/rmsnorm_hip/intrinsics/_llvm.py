@@ -348,3 +348,33 @@ def define_named_barrier(intrinsic):
         return types.void(group, threads), codegen
 
     return row_barrier
+
+
+
+def define_stream_load(intrinsic):
+    """``load_b128_stream(ptr, idx)``: load_b128 through PTX ``ld.global.cs`` (cache streaming:
+    the lines are allocated evict-first in L1 and L2), for data a kernel reads once: the lines
+    the L2 then recycles are these rather than lines earlier work left there, which an eviction
+    writes back when dirty.  The same bits as load_b128."""
+
+    @intrinsic
+    def load_b128_stream(typingctx, ptr, idx):
+        if not is_pointer_index(ptr, idx):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(ptr, idx)
+
+        def codegen(context, builder, sig, args):
+            vptr = _global_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            address = builder.ptrtoint(vptr, ir.IntType(64))
+            # no side effect and no memory clobber: the backward reads x, dy and dresidual,
+            # which it never writes (its outputs are allocated for the call)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([I32] * 4), [ir.IntType(64)]),
+                               "ld.global.cs.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                               side_effect=False)
+            value = builder.call(asm, [address])
+            words = [builder.extract_value(value, k) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, words)
+
+        return sig, codegen
+
+    return load_b128_stream

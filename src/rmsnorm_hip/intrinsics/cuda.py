@@ -1,9 +1,10 @@
 """numba-cuda intrinsics (NVIDIA): 32-lane warps, ``shfl_xor_sync``.
 
-128-bit accesses stay plain LLVM loads/stores: the same accesses written as inline PTX with cache
+128-bit accesses are plain LLVM loads/stores: the same accesses written as inline PTX with cache
 hints measured slower on the H200 (benchmarks/NOTES.md): ld.global.nc with .L2::256B and
 st.global.cs 3-15 points at every LLM shape; ld.global.cs, or an L2 evict-first cache policy, on
-every load 8-17 points at the large shapes for 1-4 at the small backward ones.
+every load 8-17 points at the large shapes.  ``load_b128_stream`` (ld.global.cs) is for the
+backward's calls of few bytes, where it measured faster (_config.BWD_STREAM_LOADS).
 """
 from types import SimpleNamespace
 
@@ -49,6 +50,7 @@ def build():
 
     shared.update(quant, f32_to_e4m3=f32_to_e4m3)
     shared.update(row_barrier=_llvm.define_named_barrier(intrinsic))
+    shared.update(load_b128_stream=_llvm.define_stream_load(intrinsic))
     return SimpleNamespace(name="cuda", warp=WARP, shared_alignment=16,
                            gpu=cuda, jitable=register_jitable,
                            **compiled, **shared)

@@ -51,6 +51,8 @@ def build():
     # even, f16 denormals kept by the default float mode).  The integer form's branches keep LLVM
     # from unrolling the chunk loop, and the row cache then lives in scratch memory.
     shared.update(_llvm.define_hw_f16(intrinsic))
+    # no cache hint (nothing measured on AMD): the streaming load is the plain one
+    shared.update(load_b128_stream=compiled["load_b128"])
     return SimpleNamespace(name="hip", warp=WARP, shared_alignment=None,
                            gpu=hip, jitable=register_jitable, row_barrier=_row_barrier,
                            **compiled, **shared)

@@ -183,4 +183,5 @@ def build(warp):
                            max_abs=max_abs, max_abs_nan=max_abs_nan,
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
                            atomic_add_f32=atomic_add_f32, row_barrier=row_barrier,
-                           **vars(shared))
+                           # a cache hint changes where lines go, not what is read
+                           load_b128_stream=load_b128, **vars(shared))

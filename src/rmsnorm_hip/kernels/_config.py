@@ -319,6 +319,35 @@ def bwd_pair_rows(m, sm_count, vendor="cuda"):
     return bool(BWD_PAIRED_ROWS[vendor]) and m >= BWD_PAIRED_MIN_ROWS_PER_SM * sm_count
 
 
+# Calls that move few bytes load x, dy and dresidual evict-first (intrinsics load_b128_stream:
+# CUDA ld.global.cs).  The benchmark's L2 flush, like the kernels before a backward in a model,
+# leaves the L2 full of dirty lines; each line a plain load allocates evicts one of them (a DRAM
+# write), where evict-first lines are recycled among themselves.  Larger calls lose: the hint
+# costs them more than the write-backs they save.  H200, bf16, us, plain / hinted, two rounds
+# each (results/tune_h200_20261201_s18/tune_bwd_stream*.json), by x's bytes:
+#   16 MiB: 1024x8192 19.74, 19.82 / 19.14, 19.22 (again: 19.92, 20.06 / 19.06, 19.10);
+#     2048x4096 18.70, 18.80 / 18.16, 18.06; dresidual 1024x8192 23.22, 23.01 / 22.22, 22.30
+#   32 MiB: 2048x8192 33.47, 33.44 / 31.38, 31.36; 4096x4096 31.30, 31.81 / 31.12, 31.26 (again:
+#     31.74, 31.94 / 31.70, 32.11); dresidual 4096x4096 39.05, 39.12 / 39.23, 38.51
+#   48 MiB: 3072x8192 45.84, 45.77 / 45.81, 45.30; 6144x4096 44.24, 44.30 / 45.66, 46.00
+#   64 MiB and up: 8192x4096 55.74, 55.89 / 58.21, 58.19; 4096x8192 57.28, 57.63 / 57.63, 57.63;
+#     8192x8192 105.6, 105.7 / 109.3, 109.5; 32768x4096 197.5, 197.2 / 214.9, 215.0
+# An L2 evict-first policy (createpolicy) instead of .cs measured within the rounds' spread, and
+# the dx stores hinted too, alone or with the loads, level or slower.  The forward's fused add
+# loses 6-10 points with its x and residual loads hinted at every size measured (2048x4096 to
+# 8192x4096), SmoothQuant is level: neither takes it.  AMD: not measured, no hint.
+BWD_STREAM_LOADS = {"cuda": True, "hip": False}
+# ...in calls whose x is at most this many bytes
+BWD_STREAM_MAX_BYTES = 32 << 20
+
+
+def bwd_stream_rows(m, n, dtype, vendor="cuda"):
+    """Whether a backward call of ``m`` rows of ``n`` ``dtype`` elements loads its rows
+    evict-first (BWD_STREAM_LOADS): part of the call's kernel choice.  The same bits either
+    way."""
+    return bool(BWD_STREAM_LOADS[vendor]) and m * n * _dtypes.ITEMSIZE[dtype] <= BWD_STREAM_MAX_BYTES
+
+
 def bwd_row_layout(n, dtype, vendor="cuda"):
     """The backward's per-row layout (a function of N and dtype only on a given vendor's GPUs: dx
     is batch invariant).  Rows too long to cache take BWD_LOOPED_THREADS: at 1024 threads the
@@ -357,11 +386,16 @@ class BwdSpec:
     # (ReduceSpec.pairs): dweight is then bitwise the paired kernel's, as API.md asks of a
     # row-strided call against its contiguous copy
     pair_twin: bool = False
+    # vector rows: x, dy and dresidual loaded evict-first (intrinsics load_b128_stream),
+    # chosen per call (bwd_stream_rows)
+    stream_loads: bool = False
 
 
-def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True):
+def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True,
+             stream=False):
     """The backward kernel of a call shape; ``pair``: rows of the layouts that pair do
-    (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call)."""
+    (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call); ``stream``: vector rows load
+    evict-first where the vendor does (BWD_STREAM_LOADS; bwd_stream_rows decides it per call)."""
     layout = bwd_row_layout(n, dtype, vendor)
     itemsize = _dtypes.ITEMSIZE[dtype]
     # 16-bit rows of 2 chunks a thread keep their words in the scalar (unaligned) form too: as
@@ -399,7 +433,8 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
                    early_dres=packed and dresidual and BWD_EARLY_DRESIDUAL and ahead,
                    prefetch_rstd=(prefetch and not recompute_rstd and not dresidual
                                   and BWD_PREFETCH_RSTD),
-                   hold_weight=hold_weight, paired=paired, pair_twin=pairable and not packed)
+                   hold_weight=hold_weight, paired=paired, pair_twin=pairable and not packed,
+                   stream_loads=bool(stream and vector and BWD_STREAM_LOADS[vendor]))
 
 
 def bwd_spec_blocks_per_sm(spec):

@@ -27,11 +27,12 @@ class ChunkIO:
     assembles them as ``load`` reads the chunk), and ``words_to_floats(w0, w1, w2, w3, vals,
     slot)``, which decodes them exactly as ``load`` does.  ``store`` and ``load_words`` take
     chunks of 16 bytes (x's); ``load`` any number of 16-byte spans (a float32 weight's chunk of
-    8 is two)."""
+    8 is two).  ``stream``: the vector form loads through ``load_b128_stream`` (data read
+    once)."""
 
-    def __init__(self, intr, dtype, chunk, n, vector, shifted=True):
+    def __init__(self, intr, dtype, chunk, n, vector, shifted=True, stream=False):
         self.load, self.store, self.load_words, self.words_to_floats = _make_chunk_io(
-            intr, dtype, chunk, n, vector, shifted)
+            intr, dtype, chunk, n, vector, shifted, stream)
 
 
 def _shifted_access(intr):
@@ -58,7 +59,7 @@ def codec(intr, dtype):
     return as_f32, as_f32, None
 
 
-def _make_chunk_io(intr, dtype, chunk, n, vector, shifted):
+def _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream=False):
     jitable = intr.jitable
     itemsize = _dtypes.ITEMSIZE[dtype]
     n_vec = ceil_div(chunk * itemsize, CHUNK_BYTES)      # 128-bit accesses per chunk
@@ -67,6 +68,8 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted):
     half = pack2 is not None
     u32_as_f32, f32_as_u32 = intr.u32_as_f32, intr.f32_as_u32
     load_b128, store_b128 = getattr(intr, "load_b128", None), getattr(intr, "store_b128", None)
+    if vector and stream:
+        load_b128 = intr.load_b128_stream
 
     @jitable
     def words_to_floats(w0, w1, w2, w3, vals, at):

@@ -55,7 +55,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     hold_w = has_weight and cached and spec.hold_weight
     gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
     shifted = _config.scalar_shifted(spec)
-    io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector, shifted)
+    # x, dy and dresidual are read once: calls of few bytes load them evict-first
+    # (spec.stream_loads)
+    io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector, shifted, spec.stream_loads)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector, shifted)
     load, store, load_w = io.load, io.store, w_io.load
     load_words, words_to_floats = io.load_words, io.words_to_floats
@@ -80,10 +82,12 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     dres_words = words if early_dres else 1
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
-    # paired rows (spec.paired): each row of the block at its own barrier, one partial row
-    paired = spec.paired and cached and has_weight
+    # paired rows (spec.paired: cached, weighted rows only): each row of the block at its own
+    # barrier, one partial row
+    paired = spec.paired
+    assert not paired or (cached and has_weight), spec
     half = span // 2
-    row_sum = make_row_sum(intr, threads, row_barriers=spec.paired)
+    row_sum = make_row_sum(intr, threads, row_barriers=paired)
     red_shape, red_align = reduce_buffer_shape(intr, 2, rows, threads), intr.shared_alignment
     n_f32 = float32(n)
     # cached vector layouts write their partial dweight rows to the workspace (float32,
