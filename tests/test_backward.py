@@ -477,11 +477,11 @@ def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, 
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("dtype,dres", [("bfloat16", True), ("float32", False)])
+@pytest.mark.parametrize("dtype,dres", [("bfloat16", True), ("float16", False)])
 def test_sim_stream_loads_give_the_plain_bits(rng, use_backend, monkeypatch, dtype, dres):
     """Calls of few bytes load x, dy and dresidual evict-first (BwdSpec.stream_loads,
-    _config.bwd_stream_rows): where the lines go changes, not what is read, so the same bits as
-    the plain kernel, and the float64 contract."""
+    _config.bwd_stream_rows; 16-bit packed rows): where the lines go changes, not what is read,
+    so the same bits as the plain kernel, and the float64 contract."""
     be = use_backend("sim")
     x, dy, dr = (random_array(rng, (5, 1024), dtype) for _ in range(3))
     dr = dr if dres else None
@@ -499,8 +499,11 @@ def test_sim_stream_loads_give_the_plain_bits(rng, use_backend, monkeypatch, dty
     assert not _ran(be).stream_loads
     assert_bitwise(plain[0], hinted[0], "dx, evict-first loads vs plain")
     assert_bitwise(plain[1], hinted[1], "dweight, evict-first loads vs plain")
-    # scalar (row-strided) calls never take it
+    # scalar (row-strided) calls, float32 and looped rows never take it
     assert not _config.bwd_spec(1024, dtype, dtype, False, False, dres, stream=True).stream_loads
+    assert not _config.bwd_spec(1024, FLOAT32, FLOAT32, True, False, dres,
+                                stream=True).stream_loads
+    assert not _config.bwd_spec(65536, dtype, dtype, True, False, dres, stream=True).stream_loads
     assert not _config.bwd_spec(1024, dtype, dtype, True, False, dres, "hip",
                                 stream=True).stream_loads
 

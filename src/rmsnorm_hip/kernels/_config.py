@@ -335,7 +335,9 @@ def bwd_pair_rows(m, sm_count, vendor="cuda"):
 # An L2 evict-first policy (createpolicy) instead of .cs measured within the rounds' spread, and
 # the dx stores hinted too, alone or with the loads, level or slower.  The forward's fused add
 # loses 6-10 points with its x and residual loads hinted at every size measured (2048x4096 to
-# 8192x4096), SmoothQuant is level: neither takes it.  AMD: not measured, no hint.
+# 8192x4096), SmoothQuant is level: neither takes it.  AMD: not measured, no hint.  Only the
+# measured rows take it: 16-bit packed (vector) rows.  Hinted, ptxas 13.0 spilled 100-152 B in the
+# float32 N = 16384 rows and 12 B in a looped bf16 row with dresidual.
 BWD_STREAM_LOADS = {"cuda": True, "hip": False}
 # ...in calls whose x is at most this many bytes
 BWD_STREAM_MAX_BYTES = 32 << 20
@@ -386,15 +388,15 @@ class BwdSpec:
     # (ReduceSpec.pairs): dweight is then bitwise the paired kernel's, as API.md asks of a
     # row-strided call against its contiguous copy
     pair_twin: bool = False
-    # vector rows: x, dy and dresidual loaded evict-first (intrinsics load_b128_stream),
-    # chosen per call (bwd_stream_rows)
+    # 16-bit packed rows: x, dy and dresidual loaded evict-first (intrinsics
+    # load_b128_stream), chosen per call (bwd_stream_rows)
     stream_loads: bool = False
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True,
              stream=False):
     """The backward kernel of a call shape; ``pair``: rows of the layouts that pair do
-    (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call); ``stream``: vector rows load
+    (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call); ``stream``: 16-bit packed rows load
     evict-first where the vendor does (BWD_STREAM_LOADS; bwd_stream_rows decides it per call)."""
     layout = bwd_row_layout(n, dtype, vendor)
     itemsize = _dtypes.ITEMSIZE[dtype]
@@ -434,7 +436,8 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
                    prefetch_rstd=(prefetch and not recompute_rstd and not dresidual
                                   and BWD_PREFETCH_RSTD),
                    hold_weight=hold_weight, paired=paired, pair_twin=pairable and not packed,
-                   stream_loads=bool(stream and vector and BWD_STREAM_LOADS[vendor]))
+                   stream_loads=bool(stream and packed and vector and itemsize == 2
+                                     and BWD_STREAM_LOADS[vendor]))
 
 
 def bwd_spec_blocks_per_sm(spec):
