@@ -7,7 +7,7 @@ import pytest
 
 from conftest import (BFLOAT16, DTYPES, FLOAT32, WEIGHT_COMBOS, HostIO, assert_bitwise,
                       assert_dweight, assert_dx, random_array)
-from rmsnorm_hip import _arrays, functional, rms_norm, rms_norm_backward
+from rmsnorm_hip import _arrays, _cache, functional, rms_norm, rms_norm_backward
 from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.reference import rms_norm_backward_ref
 
@@ -305,10 +305,11 @@ def test_programs_do_not_depend_on_the_variant(vendor):
             continue
         spec = variant.spec
         for m in (1, 7, 131, 133, 263, 264, 333, 4096, 1 << 20):
-            # the kernel a call of m rows takes (GpuBackend._bwd_key): paired or not by M
+            # the kernel a call of m rows takes (GpuBackend._bwd_key): paired, hinted or not by M
             call = _config.bwd_spec(spec.layout.n, spec.dtype, spec.weight, spec.vector,
                                     spec.recompute_rstd, spec.dresidual, vendor,
-                                    _config.bwd_pair_rows(m, 132, vendor))
+                                    _config.bwd_pair_rows(m, 132, vendor),
+                                    _config.bwd_stream_rows(m, spec.layout.n, spec.dtype, vendor))
             got = _config.bwd_partial_order(call, m, 132, vendor)
             key = (spec.layout.n, spec.dtype, bool(spec.weight), m)
             assert programs.setdefault(key, got) == got, call
@@ -488,15 +489,28 @@ def test_sim_stream_loads_give_the_plain_bits(rng, use_backend, monkeypatch, dty
     w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
     rstd = rms_norm(x, w, return_rstd=True)[1]
     assert _config.bwd_stream_rows(5, 1024, dtype)       # the simulator takes CUDA's choices
+    # the simulator's hinted load is the plain one: count its calls to see the kernel take it
+    intr, calls = be.intrinsics, []
+    plain_load = intr.load_b128
+
+    def counted(ptr, idx):
+        calls.append(idx)
+        return plain_load(ptr, idx)
+
+    monkeypatch.setattr(intr, "load_b128_stream", counted)
+    monkeypatch.setattr(_cache, "_kernels", {})     # kernels built now, with the counted load
     hinted = rms_norm_backward(dy, x, w, rstd, dresidual=dr)
     assert _ran(be).stream_loads
+    # x and dy (and dresidual) of each of the 5 rows, one 128-bit load per thread's chunk
+    assert len(calls) == (3 if dres else 2) * 5 * 1024 // 8, len(calls)
     ref = rms_norm_backward_ref(dy, x, w, rstd, dresidual=dr)
     assert_dx(hinted[0], dy, x, w, rstd, ref[0], dtype)
     assert_dweight(hinted[1], ref[1], dtype)
     # one byte over the limit: the plain kernel
     _patch(monkeypatch, "BWD_STREAM_MAX_BYTES", x.nbytes - 1)
+    calls.clear()
     plain = rms_norm_backward(dy, x, w, rstd, dresidual=dr)
-    assert not _ran(be).stream_loads
+    assert not _ran(be).stream_loads and not calls
     assert_bitwise(plain[0], hinted[0], "dx, evict-first loads vs plain")
     assert_bitwise(plain[1], hinted[1], "dweight, evict-first loads vs plain")
     # scalar (row-strided) calls, float32 and looped rows never take it

@@ -152,3 +152,16 @@ def test_catalog_backward_compiles_to_sm90(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kernels = json.loads(report.read_text())["reports"][0]["kernels"]
     assert len(kernels) >= 100 and all(k["op"].startswith("bwd") for k in kernels)
+
+
+@pytest.mark.parametrize("stream_loads,cs_loads,failing", [
+    (True, 4, False), (False, 0, False), (True, 0, True), (False, 4, True)])
+def test_sm90_gate_puts_evict_first_loads_where_chosen(stream_loads, cs_loads, failing):
+    """The sm_90 gate (aot.problems) fails a backward kernel chosen for evict-first loads
+    (BwdSpec.stream_loads) whose PTX has no ``ld.global.cs``, and any other kernel that has one."""
+    from rmsnorm_hip import aot
+    record = dict(op="bwd", label="bwd:test", local_depot=False, vector=True, ld_global_v4=4,
+                  st_global_v4=2, spill_store_bytes=0, spill_load_bytes=0,
+                  stream_loads=stream_loads, ld_global_cs=cs_loads)
+    found = [p for p in aot.problems(record, "cuda") if p.startswith("evict-first")]
+    assert bool(found) == failing, found

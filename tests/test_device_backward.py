@@ -120,6 +120,34 @@ def test_row_strided_backward_is_its_contiguous_copys(dtype, n, given_rstd):
         assert_dweight(host(dw), ref_dw, dtype)
 
 
+@pytest.mark.parametrize("m,n", [(1024, 8192), (333, 4096), (4096, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_evict_first_loads_give_the_plain_bits(monkeypatch, dtype, m, n):
+    """Calls of few bytes load their rows evict-first (ld.global.cs; _config.bwd_stream_rows),
+    larger ones plainly: the same dx and dweight bits either way (paired rows at 333 / 4096
+    rows of 4096, the 512 x 2 rows of 8192), and within float64's tolerances."""
+    from rmsnorm_hip.kernels import _config
+    _, x, w = inputs(m, n, dtype, dtype)
+    dy, dres = (torch.randn(m, n, device="cuda", dtype=TORCH[dtype]) for _ in range(2))
+    rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
+    assert _config.bwd_stream_rows(m, n, dtype)
+    for given, dresidual in ((rstd, None), (None, dres)):
+        functional.forget_plans()
+        hinted = rmsnorm_hip.rms_norm_backward(dy, x, w, given, dresidual=dresidual)
+        monkeypatch.setattr(_config, "BWD_STREAM_MAX_BYTES", 0)
+        functional.forget_plans()
+        plain = rmsnorm_hip.rms_norm_backward(dy, x, w, given, dresidual=dresidual)
+        monkeypatch.undo()
+        functional.forget_plans()
+        assert torch.equal(raw(hinted[0]), raw(plain[0])), "dx"
+        assert torch.equal(raw(hinted[1]), raw(plain[1])), "dweight"
+        ref_dx, ref_dw = reference.rms_norm_backward_ref(
+            host(dy), host(x), host(w), None if given is None else rstd.cpu().numpy(),
+            dresidual=None if dresidual is None else host(dresidual))
+        assert_dx(host(hinted[0]), host(dy), host(x), host(w), rstd.cpu().numpy(), ref_dx, dtype)
+        assert_dweight(host(hinted[1]), ref_dw, dtype)
+
+
 def test_dweight_accuracy_many_rows():
     """float32 accumulation over 65536 rows: relative error < 1e-4 (issue 4)."""
     x = torch.randn(65536, 1024, device="cuda", dtype=torch.bfloat16)

@@ -184,6 +184,8 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             # bar.sync with a thread count: a named barrier (``bar.sync 0;`` is syncthreads)
             named_barriers=len(re.findall(r"\bbar\.sync\s+[^;,]+,[^;]+;", ptx)),
             paired=bool(getattr(variant.spec, "paired", False)),
+            stream_loads=bool(getattr(variant.spec, "stream_loads", False)),
+            ld_global_cs=len(re.findall(r"\bld\.global\.cs\.", ptx)),
             shared_bytes=sum(int(n) for n in re.findall(
                 r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
         )
@@ -284,6 +286,11 @@ def problems(record, target):
             # the rows of a paired block wait for each other at syncthreads: what pairing
             # exists to avoid (kernels/_config.BWD_PAIRED_ROWS)
             out.append("paired rows without named barriers")
+        if record.get("stream_loads", False) != bool(record.get("ld_global_cs", 0)):
+            # the evict-first loads (intrinsics load_b128_stream) are in the kernels that
+            # _config.bwd_stream_rows picks them for, and in no other
+            out.append("evict-first loads " + ("missing" if record.get("stream_loads")
+                                               else "in a kernel not chosen for them"))
         if (record["op"] != "bwd_reduce" and record.get("ld_shared_f32", 0) >= 4
                 and not record.get("ld_shared_v4")):
             # rows of 4 warps or more read their warps' partials 4 at a time

@@ -220,7 +220,7 @@ class GpuBackend:
     def _bwd_key(self, key, m):
         """The plan key of a backward call of ``m`` rows: ``key`` (n, dtype, weight dtype,
         vector, recompute rstd, dresidual), whether its rows pair (_config.bwd_pair_rows) and
-        whether they take the streaming cache hints (_config.bwd_stream_rows)."""
+        whether it asks for evict-first row loads (_config.bwd_stream_rows)."""
         return key + (_config.bwd_pair_rows(m, self.sm_count, self.vendor),
                       _config.bwd_stream_rows(m, key[0], key[1], self.vendor))
 

@@ -24,7 +24,8 @@ Names every GPU namespace provides
                                   never passes
 ``load_b128``, ``store_b128``      16-byte global access at element ``i`` of a pointer: 4 x uint32
 ``load_b128_stream``               load_b128 of data read once (CUDA: ``ld.global.cs``, the lines
-                                  evict-first; plain elsewhere)
+                                  evict-first; plain elsewhere).  No memory clobber: only for
+                                  memory the kernel never writes
 ``store_b64``, ``store_b32``       8- / 4-byte global store of 2 / 1 uint32 (aligned to its size)
 ``max_nan``                       max of two floats where a NaN wins
 ``max_abs``                       maxnum(acc, |v|): a running max|v| that ignores NaN

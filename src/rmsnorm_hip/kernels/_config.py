@@ -344,9 +344,9 @@ BWD_STREAM_MAX_BYTES = 32 << 20
 
 
 def bwd_stream_rows(m, n, dtype, vendor="cuda"):
-    """Whether a backward call of ``m`` rows of ``n`` ``dtype`` elements loads its rows
-    evict-first (BWD_STREAM_LOADS): part of the call's kernel choice.  The same bits either
-    way."""
+    """Whether a backward call of ``m`` rows of ``n`` ``dtype`` elements asks for evict-first
+    row loads (BWD_STREAM_LOADS; bwd_spec gives them to 16-bit packed vector rows only): part of
+    the call's kernel choice.  The same bits either way."""
     return bool(BWD_STREAM_LOADS[vendor]) and m * n * _dtypes.ITEMSIZE[dtype] <= BWD_STREAM_MAX_BYTES
 
 
@@ -388,16 +388,17 @@ class BwdSpec:
     # (ReduceSpec.pairs): dweight is then bitwise the paired kernel's, as API.md asks of a
     # row-strided call against its contiguous copy
     pair_twin: bool = False
-    # 16-bit packed rows: x, dy and dresidual loaded evict-first (intrinsics
-    # load_b128_stream), chosen per call (bwd_stream_rows)
+    # 16-bit packed vector (aligned) rows: x, dy and dresidual loaded evict-first (intrinsics
+    # load_b128_stream), where the call takes it (bwd_stream_rows)
     stream_loads: bool = False
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True,
              stream=False):
     """The backward kernel of a call shape; ``pair``: rows of the layouts that pair do
-    (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call); ``stream``: 16-bit packed rows load
-    evict-first where the vendor does (BWD_STREAM_LOADS; bwd_stream_rows decides it per call)."""
+    (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call); ``stream``: 16-bit packed vector rows
+    load evict-first where the vendor does (BWD_STREAM_LOADS; bwd_stream_rows decides it per
+    call; other rows ignore it)."""
     layout = bwd_row_layout(n, dtype, vendor)
     itemsize = _dtypes.ITEMSIZE[dtype]
     # 16-bit rows of 2 chunks a thread keep their words in the scalar (unaligned) form too: as
