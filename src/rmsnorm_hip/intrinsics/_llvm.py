@@ -350,7 +350,6 @@ def define_named_barrier(intrinsic):
     return row_barrier
 
 
-
 def define_stream_load(intrinsic):
     """``load_b128_stream(ptr, idx)``: load_b128 through PTX ``ld.global.cs`` (cache streaming:
     the lines are allocated evict-first in L1 and L2), for data a kernel reads once: the lines
