@@ -284,6 +284,10 @@ def test_loads_ahead_and_held_weight_only_where_they_fit(dtype, n, vendor, threa
         assert both.prefetch == (ahead and not dres)
         scalar = _config.bwd_spec(n, dtype, dtype, False, False, dres, vendor)
         assert scalar.layout == layout and not scalar.paired and scalar.pair_twin == paired
+        # the twin's grid and reduction are the pair's; its kernel is the unpaired scalar one
+        unpaired = _config.bwd_spec(n, dtype, dtype, False, False, dres, vendor, pair=False)
+        assert not unpaired.pair_twin
+        assert _config.bwd_kernel_spec(scalar) == unpaired
         assert scalar.packed == (sixteen and chunks == 2)
         assert scalar.prefetch == (scalar.packed and ahead)
         if scalar.packed:

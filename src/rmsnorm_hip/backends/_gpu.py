@@ -208,7 +208,9 @@ class GpuBackend:
         """(spec, kernel, dweight reduction kernel or None, its spec) of a backward call shape
         (_bwd_key), built once: a repeat call only looks it up."""
         spec = _config.bwd_spec(*key[:-2], vendor=self.vendor, pair=key[-2], stream=key[-1])
-        kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, spec, rmsnorm_bwd.argtypes(spec))
+        kernel_spec = _config.bwd_kernel_spec(spec)
+        kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, kernel_spec,
+                             rmsnorm_bwd.argtypes(kernel_spec))
         reduce = None
         reduce_spec = _config.reduce_spec(spec.weight, spec.pair_twin)
         if spec.weight:

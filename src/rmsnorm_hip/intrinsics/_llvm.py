@@ -32,6 +32,36 @@ def is_pointer_index(ptr, idx):
     return isinstance(ptr, types.CPointer) and isinstance(idx, types.Integer)
 
 
+def _load_b128(ptr, idx, read):
+    """Typing and codegen of a 16-byte load at element ``idx`` of ``ptr`` (16-byte aligned) as
+    four uint32: ``read(builder, vptr)`` gives the words of the vector pointer ``vptr``."""
+    if not is_pointer_index(ptr, idx):
+        return None
+    sig = types.UniTuple(types.uint32, 4)(ptr, idx)
+
+    def codegen(context, builder, sig, args):
+        vptr = _global_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        return context.make_tuple(builder, sig.return_type, read(builder, vptr))
+
+    return sig, codegen
+
+
+def _plain_words(builder, vptr):
+    vec = builder.load(vptr, align=16)
+    return [builder.extract_element(vec, ir.Constant(I32, k)) for k in range(4)]
+
+
+def _streamed_words(builder, vptr):
+    address = builder.ptrtoint(vptr, ir.IntType(64))
+    # no side effect and no memory clobber: the backward reads x, dy and dresidual, which it
+    # never writes (its outputs are allocated for the call)
+    asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([I32] * 4), [ir.IntType(64)]),
+                       "ld.global.cs.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                       side_effect=False)
+    value = builder.call(asm, [address])
+    return [builder.extract_value(value, k) for k in range(4)]
+
+
 def _float_function(module, name, arity):
     """The float32 function ``name`` of ``module`` (declared on first use)."""
     if name in module.globals:
@@ -70,17 +100,7 @@ def define(intrinsic, fabs="llvm.fabs.f32", fmax="llvm.maxnum.f32"):
     @intrinsic
     def load_b128(typingctx, ptr, idx):
         """16 bytes at element ``idx`` of ``ptr`` (16-byte aligned) as four uint32."""
-        if not is_pointer_index(ptr, idx):
-            return None
-        sig = types.UniTuple(types.uint32, 4)(ptr, idx)
-
-        def codegen(context, builder, sig, args):
-            vptr = _global_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            vec = builder.load(vptr, align=16)
-            words = [builder.extract_element(vec, ir.Constant(I32, k)) for k in range(4)]
-            return context.make_tuple(builder, sig.return_type, words)
-
-        return sig, codegen
+        return _load_b128(ptr, idx, _plain_words)
 
     @intrinsic
     def align_offset(typingctx, ptr, idx):
@@ -358,22 +378,6 @@ def define_stream_load(intrinsic):
 
     @intrinsic
     def load_b128_stream(typingctx, ptr, idx):
-        if not is_pointer_index(ptr, idx):
-            return None
-        sig = types.UniTuple(types.uint32, 4)(ptr, idx)
-
-        def codegen(context, builder, sig, args):
-            vptr = _global_vec_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            address = builder.ptrtoint(vptr, ir.IntType(64))
-            # no side effect and no memory clobber: the backward reads x, dy and dresidual,
-            # which it never writes (its outputs are allocated for the call)
-            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([I32] * 4), [ir.IntType(64)]),
-                               "ld.global.cs.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-                               side_effect=False)
-            value = builder.call(asm, [address])
-            words = [builder.extract_value(value, k) for k in range(4)]
-            return context.make_tuple(builder, sig.return_type, words)
-
-        return sig, codegen
+        return _load_b128(ptr, idx, _streamed_words)
 
     return load_b128_stream

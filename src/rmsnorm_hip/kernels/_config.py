@@ -441,6 +441,13 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
                                      and BWD_STREAM_LOADS[vendor]))
 
 
+def bwd_kernel_spec(spec):
+    """The spec a backward kernel is compiled from: a pair twin's grid and reduction differ
+    from the unpaired scalar kernel's (bwd_programs, reduce_spec), its code does not, so both
+    launch one compiled kernel."""
+    return replace(spec, pair_twin=False) if spec.pair_twin else spec
+
+
 def bwd_spec_blocks_per_sm(spec):
     """Blocks per SM of a backward kernel: a paired block is two of its layout's."""
     return max(1, bwd_blocks_per_sm(spec.layout) // (2 if spec.paired else 1))
