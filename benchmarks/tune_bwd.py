@@ -27,7 +27,10 @@ on branch exp/cluster-combine) and ``p_fit`` / ``p_balanced`` / ``p_round``.  Se
 (BWD_PAIRED_ROWS; correctness on the GPU: benchmarks/check_paired.py).  Session 18 ran
 ``stream_off`` / ``stream_cs`` and ``stream_ef`` / ``stream_cs_st`` / ``stream_ef_st`` /
 ``stream_st_only`` (an L2 evict-first policy instead of ld.global.cs, and the dx stores
-hinted; knobs since removed).
+hinted; knobs since removed).  Session 20 ran ``det`` / ``atomic`` (dweight by float32 atomics
+at every M, called with deterministic=False; the first runs before the thresholds existed) and
+``nondet`` (deterministic=False as shipped); ``--wdtype float32`` gives 16-bit rows a float32
+weight.
 """
 import argparse
 import json
@@ -107,6 +110,13 @@ SETTINGS = {
     # also ran an L2 evict-first policy and hinted dx stores, knobs since removed)
     "stream_off": {"BWD_STREAM_MAX_BYTES": 0},
     "stream_cs": {"BWD_STREAM_LOADS": {"cuda": True, "hip": False}, "BWD_STREAM_MAX_BYTES": 1 << 60},
+    # dweight by float32 atomics into one zeroed row, called with deterministic=False, or the
+    # deterministic partial rows and reduction (``_deterministic``: the call's argument)
+    "det": {"BWD_ATOMIC_DWEIGHT": {"cuda": False, "hip": False}, "_deterministic": True},
+    "atomic": {"BWD_ATOMIC_DWEIGHT": {"cuda": True, "hip": False}, "_deterministic": False,
+               "BWD_ATOMIC_MAX_FLOATS": 1 << 62, "BWD_ATOMIC_MIN_ROWS_PER_PROGRAM": 0},
+    # deterministic=False as shipped (atomics where _config.bwd_atomic_dweight takes them)
+    "nondet": {"_deterministic": False},
 }
 
 
@@ -118,6 +128,7 @@ def main():
     ap.add_argument("--no-weight", action="store_true",
                     help="weight=None: dx only (no weight loads, partial rows or reduction)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    ap.add_argument("--wdtype", default="", help="the weight's dtype (default: --dtype)")
     ap.add_argument("--shapes", default="", help="MxN,... (default: SHAPES)")
     ap.add_argument("--flush", default="write", help="L2 flush: write (the benchmark's) or read")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
@@ -148,7 +159,8 @@ def main():
             x, dy, dres = (None if a is None else
                            torch.empty(m, n + 1, device="cuda", dtype=dtype)[:, 1:].copy_(a)
                            for a in (x, dy, dres))
-        w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
+        w = (1 + 0.1 * torch.randn(n, device="cuda")).to(
+            getattr(torch, args.wdtype) if args.wdtype else dtype)
         rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
         w = None if args.no_weight else w
         nbytes = (4 if args.dres else 3) * m * n * size + 2 * n * size
@@ -156,19 +168,31 @@ def main():
         for label in args.settings.split(","):
             # a repeated setting: plain_reduce2, reduce_g8_b8_r2 (names may end in digits)
             name = label if label in SETTINGS else re.sub(r"(_r\d+|\d+)$", "", label)
+            deterministic = True
             for attr, value in SETTINGS[name].items():
-                setattr(_config, attr, value)
+                if attr == "_deterministic":
+                    deterministic = value
+                else:
+                    setattr(_config, attr, value)
             rmsnorm_hip.functional.forget_plans()     # runners hold their plans too
-            call = lambda: rmsnorm_hip.rms_norm_backward(dy, x, w, rstd, dresidual=dres)  # noqa
+            call = lambda: rmsnorm_hip.rms_norm_backward(  # noqa
+                dy, x, w, rstd, dresidual=dres, deterministic=deterministic)
             out = call()
             if reference is None:
                 reference = out
             same = all(a is b or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                        for a, b in zip(out, reference))
+            # dweight against the first setting's in float64 (an atomic sum is another order)
+            dw_err = (None if out[1] is None else float(
+                ((out[1].double() - reference[1].double()).abs().max()
+                 / reference[1].double().abs().max().clamp_min(1e-30))))
             timing.cuda_device_time(call, flush)     # discarded, as the benchmark's warm-up
             timing_ = timing.cuda_device_time(call, flush)
             row = dict(m=m, n=n, setting=label, us=timing_["us"], kernels=timing_.get("kernels"),
-                       GBps=nbytes / timing_["us"] / 1e3, same_bits_as_first=bool(same))
+                       GBps=nbytes / timing_["us"] / 1e3, same_bits_as_first=bool(same),
+                       dx_same_bits_as_first=bool(torch.equal(out[0].view(torch.uint8),
+                                                              reference[0].view(torch.uint8))),
+                       dweight_rel_err_vs_first=dw_err)
             row["pct_copy"] = 100 * row["GBps"] / copy
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -177,9 +201,11 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     name = (f"tune_bwd{'_dres' if args.dres else ''}{'_noweight' if args.no_weight else ''}"
             f"{'_unaligned' if args.unaligned else ''}"
-            f"{'' if args.dtype == 'bfloat16' else '_' + args.dtype}{args.tag}.json")
+            f"{'' if args.dtype == 'bfloat16' else '_' + args.dtype}"
+            f"{'_w' + args.wdtype if args.wdtype else ''}{args.tag}.json")
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(dict(copy_gbps=copy, dres=args.dres, dtype=args.dtype, flush=args.flush,
+                       wdtype=args.wdtype or args.dtype,
                        unaligned=args.unaligned,
                        weight=not args.no_weight,
                        rows=rows), f, indent=1)

@@ -363,7 +363,7 @@ def test_sim_grid_ignores_the_kernels_occupancy(use_backend, monkeypatch):
         orders = set()
         for vector in (True, False):
             key = (n, dtype, dtype, vector, False, False)
-            _, grid, block, _, _, _, ws_rows = be._bwd_launch_shape(key, 333)
+            _, grid, block, _, _, _, ws_rows, _ = be._bwd_launch_shape(key, 333)
             walkers = grid[0] * block[1]          # programs x rows a block
             # the reduction sums partial rows by pairs
             pairs = be._bwd_plans[be._bwd_key(key, 333)][3].pairs
@@ -633,3 +633,62 @@ def test_sim_paired_rows(rng, use_backend, monkeypatch, n, wdtype, given_rstd, d
     plain = rms_norm_backward(dy, x, w, rstd if given_rstd else None, dresidual=dr)
     assert not _ran(be).paired
     assert_bitwise(dx, plain[0], "dx, paired vs not")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("m,n,dtype,wdtype,sms", [(9, 128, BFLOAT16, FLOAT32, 4),
+                                                  (13, 4096, BFLOAT16, FLOAT32, 2),
+                                                  (5, 1000, FLOAT32, FLOAT32, 4),
+                                                  (7, 1000, "float16", "float16", 4)], ids=str)
+def test_sim_atomic_dweight(rng, use_backend, monkeypatch, m, n, dtype, wdtype, sms):
+    """deterministic=False: a float32 weight's dweight summed by atomics into a zeroed dweight,
+    no reduction kernel (_config.bwd_atomic_dweight), on multi-row, one-row and paired (N = 4096)
+    blocks; dx bitwise the deterministic call's, dweight against float64, every output written
+    (poisoned).  A 16-bit weight, and unaligned rows, keep the deterministic kernels."""
+    be = use_backend("sim")
+    monkeypatch.setattr(be, "sm_count", sms)
+    _nan_outputs(monkeypatch)
+    _patch(monkeypatch, "BWD_PAIRED_ROWS", {"cuda": True, "hip": False})
+    x = random_array(rng, (m, n), dtype)
+    dy = random_array(rng, (m, n), dtype)
+    w = random_array(rng, (n,), wdtype, loc=1.0, scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True)[1]
+    dx, dw = rms_norm_backward(dy, x, w, rstd)
+    assert not _ran(be).atomic_dweight
+    functional.forget_plans()
+    adx, adw = rms_norm_backward(dy, x, w, rstd, deterministic=False)
+    atomic = wdtype == FLOAT32
+    spec = _ran(be)
+    assert spec.atomic_dweight == atomic and spec.paired == (n == 4096)
+    plan = next(iter(be._bwd_plans.values()))
+    assert (plan[2] is None) == atomic                  # no reduction kernel
+    assert_bitwise(adx, dx, "dx, deterministic=False vs True")
+    assert adw.dtype == dw.dtype
+    assert_dweight(adw, rms_norm_backward_ref(dy, x, w, rstd)[1], wdtype)
+    if not atomic:
+        assert_bitwise(adw, dw, "a 16-bit dweight, deterministic=False")
+    # unaligned rows (the scalar kernel) stay deterministic
+    functional.forget_plans()
+    wide = [np.empty((m, n + 1), a.dtype) for a in (x, dy)]
+    for out, a in zip(wide, (x, dy)):
+        out[:, 1:] = a
+    sdx, sdw = rms_norm_backward(wide[1][:, 1:], wide[0][:, 1:], w, rstd, deterministic=False)
+    assert not _ran(be).atomic_dweight
+    assert_bitwise(sdx, dx, "dx, unaligned rows")
+
+
+def test_atomic_dweight_where_measured():
+    """_config.bwd_atomic_dweight on an H200 (132 SMs): float32 weights on CUDA, few partial
+    floats or many rows a program; not 16-bit weights, unaligned rows or AMD."""
+    def takes(m, n, dtype=BFLOAT16, weight=FLOAT32, vendor="cuda", vector=True):
+        spec = _config.bwd_spec(n, dtype, weight, vector, False, False, vendor,
+                                _config.bwd_pair_rows(m, 132, vendor),
+                                _config.bwd_stream_rows(m, n, dtype, vendor))
+        return _config.bwd_atomic_dweight(spec, m, _config.bwd_programs(spec, m, 132, vendor),
+                                          vendor)
+    assert takes(1, 4096) and takes(32, 4096) and takes(1, 8192)
+    assert takes(8192, 4096) and takes(32768, 4096) and takes(16384, 8192)
+    assert takes(32, 4096, FLOAT32) and takes(16384, 4096, FLOAT32)
+    assert not (takes(132, 4096) or takes(264, 4096) or takes(1024, 8192) or takes(132, 8192))
+    assert not (takes(32, 4096, weight=BFLOAT16) or takes(32768, 4096, weight=BFLOAT16))
+    assert not (takes(32, 4096, vendor="hip") or takes(32, 4096, vector=False))

@@ -165,3 +165,18 @@ def test_sm90_gate_puts_evict_first_loads_where_chosen(stream_loads, cs_loads, f
                   stream_loads=stream_loads, ld_global_cs=cs_loads)
     found = [p for p in aot.problems(record, "cuda") if p.startswith("evict-first")]
     assert bool(found) == failing, found
+
+
+@pytest.mark.parametrize("atomic,vector,red,red_v4,failing", [
+    (True, True, 4, 4, False), (False, True, 0, 0, False), (True, True, 0, 0, True),
+    (True, True, 8, 0, True), (False, True, 2, 2, True), (True, False, 8, 0, False)])
+def test_sm90_gate_puts_dweight_atomics_where_chosen(atomic, vector, red, red_v4, failing):
+    """The sm_90 gate fails an atomic-dweight kernel (BwdSpec.atomic_dweight) with no
+    ``red.global.add`` (or, on the vector path, no ``.v4.f32`` form), and a deterministic kernel
+    with one."""
+    from rmsnorm_hip import aot
+    record = dict(op="bwd", label="bwd:test", local_depot=False, vector=vector, ld_global_v4=4,
+                  st_global_v4=2, spill_store_bytes=0, spill_load_bytes=0,
+                  atomic_dweight=atomic, red_global_add=red, red_global_add_v4=red_v4)
+    found = [p for p in aot.problems(record, "cuda") if p.startswith("dweight atomics")]
+    assert bool(found) == failing, found

@@ -274,14 +274,20 @@ def empty(like, shape, dtype):
 def zeros(like, shape, dtype):
     """:func:`empty`, filled with zeros by the array's own library."""
     out, info = empty(like, shape, dtype)
+    zero_fill(info)
+    return out, info
+
+
+def zero_fill(info):
+    """Fill an array that :func:`empty` made with zeros, through its own library (on its
+    current stream)."""
+    out = info.obj
     if hasattr(out, "fill"):
         out.fill(0)                      # NumPy, CuPy
     elif hasattr(out, "zero_"):
         out.zero_()                      # torch
     else:                                # numba device arrays
-        from numba import cuda
-        out.copy_to_device(np.zeros(shape, _dtypes.STORAGE[dtype]))
-    return out, info
+        out.copy_to_device(np.zeros(info.shape, _dtypes.STORAGE[info.dtype]))
 
 
 def _back_to_library(like, cupy_out):
@@ -347,6 +353,9 @@ class FastIO:
             empty, device = torch.empty, like.obj.device
             self.allocator = lambda shape, dtype: (
                 lambda tdtype=getattr(torch, dtype): empty(shape, dtype=tdtype, device=device))
+            zeros = torch.zeros
+            self.zeros_allocator = lambda shape, dtype: (
+                lambda tdtype=getattr(torch, dtype): zeros(shape, dtype=tdtype, device=device))
         else:
             cupy = _cupy()
             self.ptr = lambda a: a.data.ptr
@@ -361,3 +370,12 @@ class FastIO:
                         return cupy.empty(shape, storage)
                 return allocate
             self.allocator = allocator
+
+            def zeros_allocator(shape, dtype):
+                storage = _dtypes.STORAGE[dtype]
+
+                def allocate():
+                    with device:
+                        return cupy.zeros(shape, storage)
+                return allocate
+            self.zeros_allocator = zeros_allocator

@@ -186,6 +186,9 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             paired=bool(getattr(variant.spec, "paired", False)),
             stream_loads=bool(getattr(variant.spec, "stream_loads", False)),
             ld_global_cs=len(re.findall(r"\bld\.global\.cs\.", ptx)),
+            atomic_dweight=bool(getattr(variant.spec, "atomic_dweight", False)),
+            red_global_add=len(re.findall(r"\bred\.global\.add\.", ptx)),
+            red_global_add_v4=len(re.findall(r"\bred\.global\.add\.v4\.f32\b", ptx)),
             shared_bytes=sum(int(n) for n in re.findall(
                 r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
         )
@@ -272,7 +275,8 @@ def problems(record, target):
             out.append("ptxas refused the PTX")
         if record["local_depot"]:
             out.append("local memory depot")
-        allowed = SM90_SPILL_ALLOWANCE.get(record.get("label"), 0)
+        # an atomic-dweight kernel (label suffix ":atomic") is its deterministic twin's row
+        allowed = SM90_SPILL_ALLOWANCE.get(record.get("label", "").removesuffix(":atomic"), 0)
         if (record.get("spill_store_bytes") or 0) > allowed or (
                 not allowed and record.get("spill_load_bytes")):
             out.append(f"spills {record['spill_store_bytes']} B stored"
@@ -291,6 +295,13 @@ def problems(record, target):
             # _config.bwd_stream_rows picks them for, and in no other
             out.append("evict-first loads " + ("missing" if record.get("stream_loads")
                                                else "in a kernel not chosen for them"))
+        if record.get("atomic_dweight", False) != bool(record.get("red_global_add", 0)) or (
+                record.get("atomic_dweight") and record.get("vector")
+                and not record.get("red_global_add_v4")):
+            # dweight by atomics (deterministic=False, _config.bwd_atomic_dweight), 4 columns a
+            # reduction on the vector path; the deterministic kernels have none
+            out.append("dweight atomics " + ("missing" if record.get("atomic_dweight")
+                                             else "in a deterministic kernel"))
         if (record["op"] != "bwd_reduce" and record.get("ld_shared_f32", 0) >= 4
                 and not record.get("ld_shared_v4")):
             # rows of 4 warps or more read their warps' partials 4 at a time

@@ -286,9 +286,12 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, *, weight_offset=0.0, dresi
     weight : (N,) in x's dtype or float32; None: no scaling and no dweight.
     rstd : float32 (M,) from the forward; None recomputes it from x with ``eps``.
     dresidual : like x; the gradient reaching a fused add's ``residual_out``, added into dx.
-    deterministic : dweight is bitwise identical from run to run on the same device.  Every path
-        is deterministic (per-program float32 partials and a fixed-order column reduction); no
-        atomic path exists, so False changes nothing.
+    deterministic : True (default): dweight is bitwise identical from run to run on the same
+        device (per-program float32 partials and a fixed-order column reduction).  False lets a
+        float32 weight's dweight be summed by float32 atomics where that measured faster (CUDA,
+        aligned rows: few rows, or many rows a program; _config.bwd_atomic_dweight): the same
+        float32 sums in an unspecified order, so dweight may differ by roundings from run to
+        run.  dx is the same bits either way.
     dtype : "bfloat16" / "float16" to read uint16 storage (CuPy).
 
     Returns
@@ -296,7 +299,8 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, *, weight_offset=0.0, dresi
     (dx, dweight) — dx shaped like x in x's library; dweight (N,) or None.
     """
     if dtype is None:
-        key = _arrays.fast_key(x, weight, (_environ.get(backends.ENV),), (dy, rstd, dresidual))
+        key = _arrays.fast_key(x, weight, (_environ.get(backends.ENV), deterministic is False),
+                               (dy, rstd, dresidual))
         if key is not None:
             run = _runner(_bwd_runners, key, eps, weight_offset, weight)
             if run is not None and type(deterministic) is bool:
@@ -335,11 +339,13 @@ def _rms_norm_backward(dy, x, weight, rstd, weight_offset, dresidual, determinis
     if m > 0:
         backend.rms_norm_bwd(
             dyi, xi, wi, ri, dri, dxi, dwi, m, n, strides, eps, weight_offset,
-            lambda shape: _arrays.empty(xi, shape, _dtypes.FLOAT32)[1])
+            lambda shape: _arrays.empty(xi, shape, _dtypes.FLOAT32)[1],
+            deterministic, _arrays.zero_fill)
         if plan_key is not None and hasattr(backend, "bwd_runner"):
             if len(_bwd_runners) > _MAX_RUNNERS:
                 _bwd_runners.clear()
             _bwd_runners[plan_key] = backend.bwd_runner(
                 _arrays.FastIO(xi), xi.shape, m, n, strides, xi.dtype,
-                wi.dtype if wi is not None else "", ri is not None, dri is not None)
+                wi.dtype if wi is not None else "", ri is not None, dri is not None,
+                deterministic)
     return dxi.result(), (dwi.result() if dwi is not None else None)

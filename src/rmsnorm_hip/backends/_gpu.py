@@ -207,88 +207,107 @@ class GpuBackend:
     def _bwd_plan(self, key):
         """(spec, kernel, dweight reduction kernel or None, its spec) of a backward call shape
         (_bwd_key), built once: a repeat call only looks it up."""
-        spec = _config.bwd_spec(*key[:-2], vendor=self.vendor, pair=key[-2], stream=key[-1])
+        spec = _config.bwd_spec(*key[:-3], vendor=self.vendor, pair=key[-3], stream=key[-2],
+                                atomic=key[-1])
         kernel_spec = _config.bwd_kernel_spec(spec)
         kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, kernel_spec,
                              rmsnorm_bwd.argtypes(kernel_spec))
         reduce = None
         reduce_spec = _config.reduce_spec(spec.weight, spec.pair_twin)
-        if spec.weight:
+        if spec.weight and not spec.atomic_dweight:    # atomics need no second kernel
             reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, reduce_spec,
                                  rmsnorm_bwd.reduce_argtypes(reduce_spec))
         plan = self._bwd_plans[key] = (spec, kernel, reduce, reduce_spec)
         return plan
 
-    def _bwd_key(self, key, m):
+    def _bwd_key(self, key, m, deterministic=True):
         """The plan key of a backward call of ``m`` rows: ``key`` (n, dtype, weight dtype,
-        vector, recompute rstd, dresidual), whether its rows pair (_config.bwd_pair_rows) and
-        whether it asks for evict-first row loads (_config.bwd_stream_rows)."""
-        return key + (_config.bwd_pair_rows(m, self.sm_count, self.vendor),
-                      _config.bwd_stream_rows(m, key[0], key[1], self.vendor))
+        vector, recompute rstd, dresidual), whether its rows pair (_config.bwd_pair_rows),
+        whether it asks for evict-first row loads (_config.bwd_stream_rows) and whether it sums
+        dweight by atomics (not ``deterministic``, where _config.bwd_atomic_dweight says)."""
+        pair = _config.bwd_pair_rows(m, self.sm_count, self.vendor)
+        stream = _config.bwd_stream_rows(m, key[0], key[1], self.vendor)
+        atomic = False
+        if not deterministic:
+            spec = _config.bwd_spec(*key, vendor=self.vendor, pair=pair, stream=stream)
+            atomic = _config.bwd_atomic_dweight(
+                spec, m, _config.bwd_programs(spec, m, self.sm_count, self.vendor), self.vendor)
+        return key + (pair, stream, atomic)
 
-    def _bwd_launch_shape(self, key, m):
-        """(kernel, grid, block, dweight reduction kernel, its grid, its block, workspace rows)
-        of a backward call of ``m`` rows."""
-        key = self._bwd_key(key, m)
+    def _bwd_launch_shape(self, key, m, deterministic=True):
+        """(kernel, grid, block, dweight reduction kernel or None, its grid, its block,
+        workspace rows, whether the workspace is an atomic accumulator) of a backward call of
+        ``m`` rows."""
+        key = self._bwd_key(key, m, deterministic)
         spec, kernel, reduce, reduce_spec = self._bwd_plans.get(key) or self._bwd_plan(key)
         programs = _config.bwd_programs(spec, m, self.sm_count, self.vendor)
         columns, groups = reduce_spec.columns, reduce_spec.groups
         return (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1), reduce,
                 ((spec.layout.n + columns - 1) // columns, 1, 1), (columns, groups, 1),
-                _config.bwd_ws_rows(spec, programs))
+                _config.bwd_ws_rows(spec, programs), spec.atomic_dweight)
 
-    def bwd_runner(self, io, shape, m, n, strides, dtype, weight_dtype, has_rstd, has_dres):
+    def bwd_runner(self, io, shape, m, n, strides, dtype, weight_dtype, has_rstd, has_dres,
+                   deterministic=True):
         """``run(dy, x, weight, rstd, dresidual, eps, weight_offset) -> (dx, dweight)`` for
         repeat calls with this metadata (m > 0): the plans, the grid and the workspace shape are
         decided here, once; a call reads pointers, allocates its outputs and launches."""
         mask = _ALIGN_MASK if self._rows_aligned(n, dtype, strides) else 0
         launches = {}
+        alloc_dx = io.allocator(shape, dtype)
 
         def launch_plan(vector):
             shape_ = self._bwd_launch_shape(
-                (n, dtype, weight_dtype, vector, not has_rstd, has_dres), m)
-            alloc_ws = io.allocator((shape_[-1], n), _dtypes.FLOAT32)
-            return launches.setdefault(vector, shape_ + (alloc_ws,))
+                (n, dtype, weight_dtype, vector, not has_rstd, has_dres), m, deterministic)
+            atomic = shape_[-1]
+            # atomics add into a zeroed dweight, and need no workspace
+            alloc_dw = ((io.zeros_allocator if atomic else io.allocator)((n,), weight_dtype)
+                        if weight_dtype else None)
+            alloc_ws = None if atomic else io.allocator((shape_[-2], n), _dtypes.FLOAT32)
+            return launches.setdefault(vector, shape_[:-1] + (alloc_dw, alloc_ws))
 
-        alloc_dx = io.allocator(shape, dtype)
-        alloc_dw = io.allocator((n,), weight_dtype) if weight_dtype else None
         ptr, stream, launch = io.ptr, io.stream, self.launch
         dy_stride, x_stride, dres_stride, dx_stride = strides
 
         def run(dy, x, weight, rstd, dres, eps, weight_offset):
             dx = alloc_dx()
-            dw = alloc_dw() if alloc_dw is not None else None
             dy_ptr, x_ptr, dx_ptr = ptr(dy), ptr(x), ptr(dx)
             w_ptr = 0 if weight is None else ptr(weight)
             dres_ptr = 0 if dres is None else ptr(dres)
             vector = bool(mask) and not (dy_ptr | x_ptr | dx_ptr | w_ptr | dres_ptr) & mask
             (kernel, grid, block, reduce, reduce_grid, reduce_block, ws_rows,
-             alloc_ws) = launches.get(vector) or launch_plan(vector)
-            ws_ptr = 0 if dw is None else ptr(alloc_ws())
+             alloc_dw, alloc_ws) = launches.get(vector) or launch_plan(vector)
+            dw = alloc_dw() if alloc_dw is not None else None
+            ws_ptr = 0 if dw is None else ptr(alloc_ws() if alloc_ws is not None else dw)
             s = stream()
             launch(kernel, grid, block,
                    (dy_ptr, x_ptr, w_ptr, 0 if rstd is None else ptr(rstd), dres_ptr, dx_ptr,
                     ws_ptr, m, dy_stride, x_stride, dres_stride, dx_stride, eps, weight_offset),
                    s)
-            if dw is not None:
+            if reduce is not None and dw is not None:
                 launch(reduce, reduce_grid, reduce_block, (ws_ptr, ptr(dw), ws_rows, n), s)
             return dx, dw
 
         return run
 
     def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
-                     weight_offset, workspace):
+                     weight_offset, workspace, deterministic=True, zero_fill=None):
         """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo,
-        allocated per call on the caller's device (and stream, through its library)."""
+        allocated per call on the caller's device (and stream, through its library);
+        ``zero_fill(info)`` zeroes one in place (an atomic dweight accumulator: where not
+        ``deterministic``, _config.bwd_atomic_dweight)."""
         pointers = 0
         for info in (dy, x, dres, dx, weight):
             pointers |= info.ptr if info is not None else 0
         vector = self._rows_aligned(n, x.dtype, strides) and not pointers & _ALIGN_MASK
         wdtype = weight.dtype if weight is not None else ""
         (kernel, grid, block, reduce, reduce_grid, reduce_block,
-         ws_rows) = self._bwd_launch_shape(
-            (n, x.dtype, wdtype, vector, rstd is None, dres is not None), m)
-        ws = workspace((ws_rows, n)) if weight is not None else None
+         ws_rows, atomic) = self._bwd_launch_shape(
+            (n, x.dtype, wdtype, vector, rstd is None, dres is not None), m, deterministic)
+        ws = None
+        if weight is not None:
+            ws = dweight if atomic else workspace((ws_rows, n))
+            if atomic:
+                zero_fill(dweight)
         stream = self.stream_for(x)
         f32 = _dtypes.FLOAT32
         self.launch(kernel, grid, block,
@@ -296,7 +315,7 @@ class GpuBackend:
                      self.arg(rstd, f32), self.arg(dres, x.dtype), self.arg(dx, x.dtype),
                      self.arg(ws, f32), m, strides[0], strides[1], strides[2], strides[3], eps,
                      weight_offset), stream)
-        if weight is not None:
+        if weight is not None and reduce is not None:
             self.launch(reduce, reduce_grid, reduce_block,
                         (self.arg(ws, f32), self.arg(dweight, wdtype), ws_rows, n), stream)
 

@@ -64,7 +64,7 @@ class CpuBackend:
             np.float32(eps), np.float32(weight_offset), rstd is not None)
 
     def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
-                     weight_offset, workspace):
+                     weight_offset, workspace, deterministic=True, zero_fill=None):
         """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo."""
         dy_stride, x_stride, dres_stride, dx_stride = strides
         wdtype = weight.dtype if weight is not None else ""

@@ -34,7 +34,9 @@ Names every GPU namespace provides
 ``pack_e4m3x2``                    two float32 -> two e4m3fn levels in one uint32 (lo in bits 0-7)
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
                                   two <= warp), every lane gets the result (warp_max: NaN wins)
-``atomic_add_f32``                 float32 atomic add at ``ptr[i]``
+``atomic_add_f32``                 float32 atomic add at ``ptr[i]`` (no result; CUDA: PTX ``red``)
+``atomic_add_f32x4``               four at ``ptr[i:i + 4]``, 16-byte aligned (CUDA: one
+                                  ``red.global.add.v4.f32``, sm_90; four adds elsewhere)
 ``row_barrier(group, threads)``    a barrier of one row group's ``threads`` threads (CUDA: named
                                   barrier 1 + group); the whole block where there are no named
                                   barriers (AMD, the simulator): every group must then pass it

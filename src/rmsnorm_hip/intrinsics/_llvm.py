@@ -4,6 +4,7 @@ from llvmlite import ir
 from numba import types
 
 I32 = ir.IntType(32)
+I64 = ir.IntType(64)
 V4I32 = ir.VectorType(I32, 4)
 GLOBAL = 1  # global address space on both NVPTX and AMDGPU
 
@@ -381,3 +382,50 @@ def define_stream_load(intrinsic):
         return _load_b128(ptr, idx, _streamed_words)
 
     return load_b128_stream
+
+
+def define_ptx_red(intrinsic):
+    """``atomic_add_f32(ptr, idx, value)`` and ``atomic_add_f32x4(ptr, idx, a, b, c, d)`` as PTX
+    ``red.global.add.f32`` / ``red.global.add.v4.f32`` (sm_90; ``ptr + idx`` 16-byte aligned):
+    NVVM refuses LLVM's ``atomicrmw fadd`` (ERROR_INVALID_IR, CUDA 13.0), and a result-less
+    reduction is what a dweight accumulator needs.  The address is converted to the global window
+    in the same asm block."""
+
+    def address(context, builder, sig, args):
+        index = context.cast(builder, args[1], sig.args[1], types.int64)
+        return builder.ptrtoint(builder.gep(args[0], [index]), I64)
+
+    @intrinsic
+    def atomic_add_f32(typingctx, ptr, idx, value):
+        if not (is_pointer_index(ptr, idx) and ptr.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            val = context.cast(builder, args[2], sig.args[2], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [I64, ir.FloatType()]),
+                               "{ .reg .u64 g; cvta.to.global.u64 g, $0; "
+                               "red.global.add.f32 [g], $1; }", "l,f,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [address(context, builder, sig, args), val])
+            return context.get_dummy_value()
+
+        return types.void(ptr, idx, value), codegen
+
+    @intrinsic
+    def atomic_add_f32x4(typingctx, ptr, idx, a, b, c, d):
+        if not (is_pointer_index(ptr, idx) and ptr.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vals = [context.cast(builder, v, t, types.float32)
+                    for v, t in zip(args[2:], sig.args[2:])]
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [I64] + [ir.FloatType()] * 4),
+                               "{ .reg .u64 g; cvta.to.global.u64 g, $0; "
+                               "red.global.add.v4.f32 [g], {$1, $2, $3, $4}; }",
+                               "l,f,f,f,f,~{memory}", side_effect=True)
+            builder.call(asm, [address(context, builder, sig, args)] + vals)
+            return context.get_dummy_value()
+
+        return types.void(ptr, idx, a, b, c, d), codegen
+
+    return dict(atomic_add_f32=atomic_add_f32, atomic_add_f32x4=atomic_add_f32x4)

@@ -51,6 +51,7 @@ def build():
     shared.update(quant, f32_to_e4m3=f32_to_e4m3)
     shared.update(row_barrier=_llvm.define_named_barrier(intrinsic))
     shared.update(load_b128_stream=_llvm.define_stream_load(intrinsic))
+    compiled.update(_llvm.define_ptx_red(intrinsic))   # NVVM refuses atomicrmw fadd
     return SimpleNamespace(name="cuda", warp=WARP, shared_alignment=16,
                            gpu=cuda, jitable=register_jitable,
                            **compiled, **shared)

@@ -53,6 +53,16 @@ def build():
     shared.update(_llvm.define_hw_f16(intrinsic))
     # no cache hint (nothing measured on AMD): the streaming load is the plain one
     shared.update(load_b128_stream=compiled["load_b128"])
+    atomic_add = compiled["atomic_add_f32"]
+
+    @register_jitable
+    def atomic_add_f32x4(ptr, idx, a, b, c, d):   # four native global_atomic_add_f32
+        atomic_add(ptr, idx, a)
+        atomic_add(ptr, idx + 1, b)
+        atomic_add(ptr, idx + 2, c)
+        atomic_add(ptr, idx + 3, d)
+
+    shared.update(atomic_add_f32x4=atomic_add_f32x4)
     return SimpleNamespace(name="hip", warp=WARP, shared_alignment=None,
                            gpu=hip, jitable=register_jitable, row_barrier=_row_barrier,
                            **compiled, **shared)

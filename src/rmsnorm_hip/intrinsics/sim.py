@@ -139,6 +139,11 @@ def atomic_add_f32(ptr, idx, value):
         ptr[idx] = float32(ptr[idx] + float32(value))
 
 
+def atomic_add_f32x4(ptr, idx, a, b, c, d):
+    for k, value in enumerate((a, b, c, d)):
+        atomic_add_f32(ptr, idx + k, value)
+
+
 def row_barrier(group, threads):
     # the simulator's barrier is the block's: callers keep the count uniform across row groups
     _kernel_module().syncthreads()
@@ -182,6 +187,7 @@ def build(warp):
                            align_offset=align_offset,
                            max_abs=max_abs, max_abs_nan=max_abs_nan,
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
-                           atomic_add_f32=atomic_add_f32, row_barrier=row_barrier,
+                           atomic_add_f32=atomic_add_f32, atomic_add_f32x4=atomic_add_f32x4,
+                           row_barrier=row_barrier,
                            # a cache hint changes where lines go, not what is read
                            load_b128_stream=load_b128, **vars(shared))

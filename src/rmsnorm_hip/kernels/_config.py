@@ -342,6 +342,34 @@ BWD_STREAM_LOADS = {"cuda": True, "hip": False}
 # ...in calls whose x is at most this many bytes
 BWD_STREAM_MAX_BYTES = 32 << 20
 
+# deterministic=False: a float32 weight's dweight summed by float32 atomics (a zeroed dweight,
+# one red.global.add.v4.f32 per 4 columns of each program's partial) instead of P partial rows and
+# dweight_reduce.  Issue 4 allows such a path only where it measurably wins.  H200, device time
+# (us, two rounds each, the zero fill's 0.8 included; results/tune_h200_20261202_s20/), partial
+# rows + reduction / atomics:
+#   bf16 rows, float32 weight: 1x4096 4.03, 4.05 / 3.57, 3.55; 8x4096 4.22, 4.27 / 3.71, 3.71;
+#     32x4096 4.46, 4.50 / 4.10, 4.13; 64x4096 4.91, 4.93 / 5.06, 5.04; 100x4096 5.97, 5.95 /
+#     6.30, 6.34; 132x4096 6.54, 6.48 / 7.74, 7.73; 264x4096 7.92, 8.10 / 8.80, 8.77;
+#     4096x4096 31.33, 31.92 / 31.50, 31.26; 8192x4096 56.51, 56.19 / 55.33, 55.62;
+#     16384x4096 103.0, 103.2 / 101.8, 101.8; 32768x4096 198.1, 197.6 / 195.5, 195.6;
+#     65536x4096 385.9, 385.6 / 384.5, 384.4; 1x8192 5.25, 5.27 / 4.74, 4.71; 32x8192 5.97,
+#     5.98 / 6.13, 6.10; 132x8192 9.02, 9.06 / 11.73, 11.63; 1024x8192 19.47, 19.38 / 21.65,
+#     21.55; 8192x8192 105.9, 106.0 / 105.8, 105.9; 16384x8192 202.4, 202.2 / 201.2, 201.6
+#   float32 rows: 32x4096 4.27, 4.35 / 3.87, 3.92; 264x4096 8.05, 8.10 / 8.53, 8.54; 4096x4096
+#     55.6, 55.7 / 54.9, 54.3; 16384x4096 197.7, 197.7 / 196.1, 196.3
+#   bf16 with dresidual: 32x4096 4.51, 4.50 / 4.38, 4.40; 1024x8192 22.7, 22.6 / 24.2, 24.2;
+#     4096x4096 39.0, 38.8 / 38.7, 38.9; 32768x4096 254.3, 253.6 / 253.4, 253.1
+# The atomics cost little where few programs add (at most 2^17 floats in all) or where programs
+# walk many rows (their ends spread out); where 128-264 programs of a few rows each finish
+# together, all adding into the same 16-32 KB, they cost kernel 1 2-4 us, more than the
+# reduction.  A 16-bit weight needs a conversion after the sum as well: zero fill, atomics and
+# conversion took as long as the two deterministic kernels or longer at every shape (bf16,
+# 1x4096 4.1 / 4.9 us, 1024x8192 19.2 / 23.4, 32768x4096 196.9 / 196.7): not taken.  Nor by the
+# scalar (unaligned-row) kernels, not measured.  AMD: not measured, not taken.
+BWD_ATOMIC_DWEIGHT = {"cuda": True, "hip": False}
+BWD_ATOMIC_MAX_FLOATS = 1 << 17         # few programs: partial rows x N at most this
+BWD_ATOMIC_MIN_ROWS_PER_PROGRAM = 48    # or many rows a program (8192x4096: 62, 4096x4096: 31)
+
 
 def bwd_stream_rows(m, n, dtype, vendor="cuda"):
     """Whether a backward call of ``m`` rows of ``n`` ``dtype`` elements asks for evict-first
@@ -391,10 +419,14 @@ class BwdSpec:
     # 16-bit packed vector (aligned) rows: x, dy and dresidual loaded evict-first (intrinsics
     # load_b128_stream), where the call takes it (bwd_stream_rows)
     stream_loads: bool = False
+    # a float32 weight's dweight summed by float32 atomics from each program's partial, into a
+    # zeroed dweight, with no reduction kernel (deterministic=False; cached rows;
+    # bwd_atomic_dweight)
+    atomic_dweight: bool = False
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True,
-             stream=False):
+             stream=False, atomic=False):
     """The backward kernel of a call shape; ``pair``: rows of the layouts that pair do
     (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call); ``stream``: 16-bit packed vector rows
     load evict-first where the vendor does (BWD_STREAM_LOADS; bwd_stream_rows decides it per
@@ -438,7 +470,21 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
                                   and BWD_PREFETCH_RSTD),
                    hold_weight=hold_weight, paired=paired, pair_twin=pairable and not packed,
                    stream_loads=bool(stream and packed and vector and itemsize == 2
-                                     and BWD_STREAM_LOADS[vendor]))
+                                     and BWD_STREAM_LOADS[vendor]),
+                   atomic_dweight=bool(atomic and weight == _dtypes.FLOAT32 and layout.cached
+                                       and vector))
+
+
+def bwd_atomic_dweight(spec, m, programs, vendor="cuda"):
+    """Whether a deterministic=False backward call of ``m`` rows (``spec`` its deterministic
+    kernel, ``programs`` its grid) sums dweight by atomics: BWD_ATOMIC_DWEIGHT, where measured
+    faster (a float32 weight, cached vector rows (the unaligned fallback keeps its partial rows);
+    few partial floats in all, or many rows a program)."""
+    if not (BWD_ATOMIC_DWEIGHT[vendor] and spec.weight == _dtypes.FLOAT32
+            and spec.layout.cached and spec.vector):
+        return False
+    return (bwd_ws_rows(spec, programs) * spec.layout.n <= BWD_ATOMIC_MAX_FLOATS
+            or m >= BWD_ATOMIC_MIN_ROWS_PER_PROGRAM * programs)
 
 
 def bwd_kernel_spec(spec):
@@ -465,6 +511,8 @@ def bwd_partial_order(spec, m, sm_count, vendor="cuda"):
 def bwd_ws_rows(spec, programs):
     """Partial dweight rows a backward grid of ``programs`` writes: one per row of each block,
     or one per block where its rows are summed first (paired)."""
+    if spec.atomic_dweight:
+        return 1
     return programs * (1 if spec.paired else spec.rows)
 
 

@@ -35,7 +35,8 @@ class Variant:
         access = "vec" if s.vector else "scalar"
         if self.op == "bwd":
             flags = (f"recompute={int(s.recompute_rstd)}:dres={int(s.dresidual)}"
-                     + (":stream_loads" if s.stream_loads else ""))
+                     + (":stream_loads" if s.stream_loads else "")
+                     + (":atomic" if s.atomic_dweight else ""))
         else:
             flags = f"rstd={int(s.store_rstd)}"
             if getattr(s, "fused", False):
@@ -126,13 +127,19 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
                     for recompute in (False, True):
                         for dres in (False, True):
                             # calls of few rows do not pair (bwd_pair_rows), calls of few bytes
-                            # load evict-first (bwd_stream_rows): every kernel of the four (a
-                            # pair twin launches the unpaired scalar kernel: bwd_kernel_spec)
+                            # load evict-first (bwd_stream_rows), deterministic=False calls may
+                            # sum a float32 weight's dweight by atomics (bwd_atomic_dweight):
+                            # every kernel of the eight (a pair twin launches the unpaired
+                            # scalar kernel: bwd_kernel_spec)
+                            atomics = ((False, True) if _config.BWD_ATOMIC_DWEIGHT[vendor]
+                                       else (False,))
                             specs = {_config.bwd_kernel_spec(_config.bwd_spec(
                                          n, dtype, weight, vector, recompute, dres, vendor, pair,
-                                         stream))
-                                     for pair in (True, False) for stream in (True, False)}
-                            for spec in sorted(specs, key=lambda s: (s.paired, s.stream_loads)):
+                                         stream, atomic))
+                                     for pair in (True, False) for stream in (True, False)
+                                     for atomic in atomics}
+                            for spec in sorted(specs, key=lambda s: (s.paired, s.stream_loads,
+                                                                     s.atomic_dweight)):
                                 yield Variant("bwd", rmsnorm_bwd.make_rmsnorm_bwd, spec,
                                               rmsnorm_bwd.argtypes(spec))
     for weight in _dtypes.ACTIVATION_DTYPES:

@@ -99,6 +99,33 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # forms spilled (ptxas 13.5)
     ws_store_4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, spec.vector and n % 4 == 0, shifted).store
 
+    # deterministic=False (spec.atomic_dweight): the partials go into one float32 row by atomic
+    # adds instead of into the program's workspace row
+    # adds instead of into the program's workspace row; 4 at a time where they are 16-byte
+    # aligned (the accumulator row is)
+    atomic, atomic_add, atomic_add_4 = (spec.atomic_dweight, intr.atomic_add_f32,
+                                        intr.atomic_add_f32x4)
+    atomic_by_4 = spec.vector and n % 4 == 0
+
+    @jitable
+    def ws_add_4(ws, col0, vals, slot):
+        """vals[slot:slot + 4] added into accumulator columns col0.. (those inside n)."""
+        if atomic_by_4:
+            atomic_add_4(ws, col0, vals[slot], vals[slot + 1], vals[slot + 2], vals[slot + 3])
+        else:
+            for e in range(4):
+                if col0 + e < n:
+                    atomic_add(ws, col0 + e, vals[slot + e])
+
+    @jitable
+    def ws_put(ws, start, col0, vals, slot):
+        """4 floats of a paired block's partial row to its workspace row, or added into the
+        accumulator row (``atomic``; the vector form's groups lie wholly inside or past n)."""
+        if atomic:
+            ws_add_4(ws, col0, vals, slot)
+        else:
+            ws_store_4(ws, start, col0, vals, slot)
+
     @jitable
     def load_or_zero(ptr, start, col0, live, vals, slot):
         if live and col0 < n:
@@ -320,15 +347,21 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 for e in range(half):
                     acc[e] += part[1, e, tx]
                 if col0 < n:
-                    ws_store_4(ws, ws_start, col0, acc, 0)
+                    ws_put(ws, ws_start, col0, acc, 0)
             else:
                 for e in range(half):
                     acc[half + e] += part[0, e, tx]
                 if col0 + half < n:
-                    ws_store_4(ws, ws_start, col0 + half, acc, half)
+                    ws_put(ws, ws_start, col0 + half, acc, half)
         elif cached and has_weight:
             for k in range(per_thread):
-                ws_store(ws, ws_start, (tx + k * threads) * chunk, acc, k * chunk)
+                col0 = (tx + k * threads) * chunk
+                if atomic:
+                    for a in range(chunk // 4):
+                        if col0 + a * 4 < n:
+                            ws_add_4(ws, col0 + a * 4, acc, k * chunk + a * 4)
+                else:
+                    ws_store(ws, ws_start, col0, acc, k * chunk)
 
     return rmsnorm_bwd
 
