@@ -112,7 +112,7 @@ SETTINGS = {
     "stream_cs": {"BWD_STREAM_LOADS": {"cuda": True, "hip": False}, "BWD_STREAM_MAX_BYTES": 1 << 60},
     # dweight by float32 atomics into one zeroed row, called with deterministic=False, or the
     # deterministic partial rows and reduction (``_deterministic``: the call's argument)
-    "det": {"BWD_ATOMIC_DWEIGHT": {"cuda": False, "hip": False}, "_deterministic": True},
+    "det": {"_deterministic": True},
     "atomic": {"BWD_ATOMIC_DWEIGHT": {"cuda": True, "hip": False}, "_deterministic": False,
                "BWD_ATOMIC_MAX_FLOATS": 1 << 62, "BWD_ATOMIC_MIN_ROWS_PER_PROGRAM": 0},
     # deterministic=False as shipped (atomics where _config.bwd_atomic_dweight takes them)
@@ -143,6 +143,7 @@ def main():
     from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
     from rmsnorm_hip.kernels import _config
 
+    shipped = {}     # _config attribute -> its shipped value, for each one a setting patches
     copy = timing.cuda_copy_bandwidth()["gbps"]
     flush = timing.L2Flush(args.flush)
     rows = []
@@ -168,11 +169,16 @@ def main():
         for label in args.settings.split(","):
             # a repeated setting: plain_reduce2, reduce_g8_b8_r2 (names may end in digits)
             name = label if label in SETTINGS else re.sub(r"(_r\d+|\d+)$", "", label)
+            # each setting starts from the shipped _config: what an earlier one patched is
+            # restored first
+            for attr, value in shipped.items():
+                setattr(_config, attr, value)
             deterministic = True
             for attr, value in SETTINGS[name].items():
                 if attr == "_deterministic":
                     deterministic = value
                 else:
+                    shipped.setdefault(attr, getattr(_config, attr))
                     setattr(_config, attr, value)
             rmsnorm_hip.functional.forget_plans()     # runners hold their plans too
             call = lambda: rmsnorm_hip.rms_norm_backward(  # noqa

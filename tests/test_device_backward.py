@@ -228,3 +228,39 @@ def test_backward_cupy_bfloat16_as_uint16():
     rstd = reference.rms_norm_ref(x, None, 1e-6)[1]
     assert_dx(dx.get().view(ml_dtypes.bfloat16), dy, x, w, rstd, ref_dx, "bfloat16")
     assert_dweight(dw.get(), ref_dw, "float32")
+
+
+# deterministic=False: atomics at few rows / many rows a program (_config.bwd_atomic_dweight),
+# partial rows and the reduction at 264 x 4096 (H200); a float32 weight
+@pytest.mark.parametrize("m,n", [(1, 8192), (8, 4096), (264, 4096), (8192, 4096)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("given_rstd,dres", [(True, False), (False, True)],
+                         ids=["rstd", "recompute-dres"])
+def test_nondeterministic_dweight(poisoned, m, n, dtype, given_rstd, dres):
+    """deterministic=False: dx bitwise the deterministic call's, dweight (by float32 atomics
+    where bwd_atomic_dweight takes them, into a zeroed dweight) against float64, every output
+    written; the kernel taken is the one the rule names."""
+    from rmsnorm_hip import backends
+    from rmsnorm_hip.kernels import _config
+    _, x, w = inputs(m, n, dtype, "float32")
+    dy = torch.randn_like(x)
+    dr = torch.randn_like(x) if dres else None
+    rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True)[1]
+    r = rstd if given_rstd else None
+    dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w, r, dresidual=dr)
+    be = backends.get("cuda")
+    be.forget_plans()
+    ndx, ndw = rmsnorm_hip.rms_norm_backward(dy, x, w, r, dresidual=dr, deterministic=False)
+    (spec, *_), = be._bwd_plans.values()
+    expected = _config.bwd_atomic_dweight(
+        _config.bwd_spec(n, dtype, "float32", True, not given_rstd, dres, "cuda",
+                         _config.bwd_pair_rows(m, be.sm_count),
+                         _config.bwd_stream_rows(m, n, dtype)),
+        m, _config.bwd_programs(spec, m, be.sm_count), "cuda")
+    assert spec.atomic_dweight == expected
+    assert torch.equal(raw(ndx), raw(dx))
+    ref_dw = reference.rms_norm_backward_ref(host(dy), host(x), host(w), rstd.cpu().numpy(),
+                                             dresidual=None if dr is None else host(dr))[1]
+    assert ndw.dtype == torch.float32 and ndw.shape == (n,)
+    assert_dweight(host(ndw), ref_dw, "float32")
+    assert_dweight(host(dw), ref_dw, "float32")

@@ -359,15 +359,21 @@ BWD_STREAM_MAX_BYTES = 32 << 20
 #     55.6, 55.7 / 54.9, 54.3; 16384x4096 197.7, 197.7 / 196.1, 196.3
 #   bf16 with dresidual: 32x4096 4.51, 4.50 / 4.38, 4.40; 1024x8192 22.7, 22.6 / 24.2, 24.2;
 #     4096x4096 39.0, 38.8 / 38.7, 38.9; 32768x4096 254.3, 253.6 / 253.4, 253.1
-# The atomics cost little where few programs add (at most 2^17 floats in all) or where programs
-# walk many rows (their ends spread out); where 128-264 programs of a few rows each finish
-# together, all adding into the same 16-32 KB, they cost kernel 1 2-4 us, more than the
-# reduction.  A 16-bit weight needs a conversion after the sum as well: zero fill, atomics and
+# As shipped (tune_bwd_wfloat32_shipped.json, tune_bwd_float32_shipped.json; deterministic /
+# deterministic=False, two rounds): 1x4096 4.00, 4.06 / 3.55, 3.52; 8x4096 4.21, 4.19 / 3.71,
+# 3.71; 8192x4096 56.1, 55.9 / 55.0, 55.3; 8192x8192 105.6, 105.3 / 105.2, 105.2; 32768x4096
+# 197.6, 197.6 / 195.7, 195.5; float32 rows 16384x4096 197.3, 197.4 / 196.0, 195.8; where the
+# rule keeps the reduction, the same kernels (132x4096 .. 4096x4096 within 0.5 us).  At
+# 32x4096 (2^17 partial floats) the atomics measured 0.4 us ahead in one run and level in the
+# next (bf16 rows; float32 rows 0.4 ahead in both): the bound is 2^16.
+# The atomics cost little where few programs add or where programs walk many rows (their ends
+# spread out); where 128-264 programs of a few rows each finish together, all adding into the
+# same 16-32 KB, they cost kernel 1 2-4 us, more than the reduction.  A 16-bit weight needs a conversion after the sum as well: zero fill, atomics and
 # conversion took as long as the two deterministic kernels or longer at every shape (bf16,
 # 1x4096 4.1 / 4.9 us, 1024x8192 19.2 / 23.4, 32768x4096 196.9 / 196.7): not taken.  Nor by the
 # scalar (unaligned-row) kernels, not measured.  AMD: not measured, not taken.
 BWD_ATOMIC_DWEIGHT = {"cuda": True, "hip": False}
-BWD_ATOMIC_MAX_FLOATS = 1 << 17         # few programs: partial rows x N at most this
+BWD_ATOMIC_MAX_FLOATS = 1 << 16         # few programs: partial rows x N at most this
 BWD_ATOMIC_MIN_ROWS_PER_PROGRAM = 48    # or many rows a program (8192x4096: 62, 4096x4096: 31)
 
 
