@@ -21,7 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from rmsnorm_hip import intrinsics
 
 CC = (9, 0)
 TESTS = Path(__file__).resolve().parent
@@ -180,3 +183,46 @@ def test_sm90_gate_puts_dweight_atomics_where_chosen(atomic, vector, red, red_v4
                   atomic_dweight=atomic, red_global_add=red, red_global_add_v4=red_v4)
     found = [p for p in aot.problems(record, "cuda") if p.startswith("dweight atomics")]
     assert bool(found) == failing, found
+
+
+_ATOMICS_PTX = """
+import re
+from numba import types
+from rmsnorm_hip import intrinsics
+from rmsnorm_hip.backends.cuda import compile_ptx
+intr = intrinsics.load("cuda")
+gpu, red, red4 = intr.gpu, intr.atomic_add_f32, intr.atomic_add_f32x4
+def add(ws, a):
+    i = gpu.threadIdx.x
+    red(ws, i, a)
+    red4(ws, i * 4, a, a, a, a)
+f32 = types.CPointer(types.float32)
+ptx, _ = compile_ptx(add, (f32, types.float32), (9, 0))
+print(len(re.findall(r"\\bred\\.global\\.add\\.f32\\b", ptx)),
+      len(re.findall(r"\\bred\\.global\\.add\\.v4\\.f32\\b", ptx)),
+      len(re.findall(r"\\batom\\.", ptx)))
+"""
+
+
+def test_cuda_float_atomics_are_ptx_reductions():
+    """intrinsics atomic_add_f32 / atomic_add_f32x4 on CUDA: one ``red.global.add.f32`` and one
+    ``red.global.add.v4.f32`` (NVVM refuses LLVM's ``atomicrmw fadd``, which the other backends
+    use); no returning ``atom``."""
+    pytest.importorskip("numba.cuda")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(SRC))
+    done = subprocess.run([sys.executable, "-c", _ATOMICS_PTX], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if "libnvvm" in done.stderr and done.returncode:
+        pytest.skip("numba-cuda's NVVM is not installed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1", "1", "0"], done.stdout
+
+
+def test_sim_float_atomics_add():
+    """The simulator's atomic_add_f32 / atomic_add_f32x4 add into their elements only."""
+    sim = intrinsics.load("sim")
+    ws = np.zeros(8, np.float32)
+    sim.atomic_add_f32(ws, 1, np.float32(0.5))
+    sim.atomic_add_f32x4(ws, 4, np.float32(1), np.float32(2), np.float32(3), np.float32(4))
+    sim.atomic_add_f32x4(ws, 4, np.float32(1), np.float32(1), np.float32(1), np.float32(1))
+    assert ws.tolist() == [0, 0.5, 0, 0, 2, 3, 4, 5]
