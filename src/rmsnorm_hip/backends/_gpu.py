@@ -236,8 +236,8 @@ class GpuBackend:
 
     def _bwd_launch_shape(self, key, m, deterministic=True):
         """(kernel, grid, block, dweight reduction kernel or None, its grid, its block,
-        workspace rows, whether the workspace is an atomic accumulator) of a backward call of
-        ``m`` rows."""
+        workspace rows, whether dweight is summed by atomics (then into dweight itself, zeroed,
+        with no workspace or reduction)) of a backward call of ``m`` rows."""
         key = self._bwd_key(key, m, deterministic)
         spec, kernel, reduce, reduce_spec = self._bwd_plans.get(key) or self._bwd_plan(key)
         programs = _config.bwd_programs(spec, m, self.sm_count, self.vendor)

@@ -155,7 +155,8 @@ def define(intrinsic, fabs="llvm.fabs.f32", fmax="llvm.maxnum.f32"):
     @intrinsic
     def atomic_add_f32(typingctx, ptr, idx, value):
         """ptr[idx] += value atomically (float32).  On AMD the metadata lets LLVM emit a native
-        global_atomic_add_f32 instead of a compare-and-swap loop; NVPTX ignores it."""
+        global_atomic_add_f32 instead of a compare-and-swap loop.  CUDA takes define_ptx_red's
+        instead: NVVM refuses ``atomicrmw fadd`` (ERROR_INVALID_IR)."""
         if not (is_pointer_index(ptr, idx) and ptr.dtype == types.float32):
             return None
 
