@@ -362,20 +362,14 @@ class FastIO:
             self.stream = lambda: cupy.cuda.get_current_stream().ptr
             device = cupy.cuda.Device(like.device_index)
 
-            def allocator(shape, dtype):
-                storage = _dtypes.STORAGE[dtype]
+            def allocator_of(make):
+                def allocator(shape, dtype):
+                    storage = _dtypes.STORAGE[dtype]
 
-                def allocate():
-                    with device:
-                        return cupy.empty(shape, storage)
-                return allocate
-            self.allocator = allocator
-
-            def zeros_allocator(shape, dtype):
-                storage = _dtypes.STORAGE[dtype]
-
-                def allocate():
-                    with device:
-                        return cupy.zeros(shape, storage)
-                return allocate
-            self.zeros_allocator = zeros_allocator
+                    def allocate():
+                        with device:
+                            return make(shape, storage)
+                    return allocate
+                return allocator
+            self.allocator = allocator_of(cupy.empty)
+            self.zeros_allocator = allocator_of(cupy.zeros)
