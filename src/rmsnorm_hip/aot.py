@@ -162,6 +162,15 @@ def amd_records(variant, archs, intr, keep_dir=None):
     return records
 
 
+def _shifted_spans(spec):
+    """Whether a scalar kernel of ``spec`` loads the 16-byte spans inside its rows as aligned
+    128-bit blocks (kernels/_config.scalar_shifted: rows of three chunks or more)."""
+    from .kernels import _config
+    layout = getattr(spec, "layout", None)
+    return bool(not getattr(spec, "vector", False) and layout is not None
+                and layout.n >= 3 * layout.chunk and _config.scalar_shifted(spec))
+
+
 def cuda_records(variant, archs, intr, keep_dir=None):
     """{arch: record} of one variant compiled to PTX for every ``sm_XY`` in ``archs``."""
     from .backends.cuda import compile_ptx
@@ -187,6 +196,7 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             stream_loads=bool(getattr(variant.spec, "stream_loads", False)),
             ld_global_cs=len(re.findall(r"\bld\.global\.cs\.", ptx)),
             atomic_dweight=bool(getattr(variant.spec, "atomic_dweight", False)),
+            shifted_spans=_shifted_spans(variant.spec),
             red_global_add=len(re.findall(r"\bred\.global\.add\.", ptx)),
             red_global_add_v4=len(re.findall(r"\bred\.global\.add\.v4\.f32\b", ptx)),
             shared_bytes=sum(int(n) for n in re.findall(
@@ -286,6 +296,8 @@ def problems(record, target):
             out.append("vector path without ld/st.global.v4")
         if record.get("vector") and record.get("st_global_byte"):
             out.append("vector path stores bytes one by one")
+        if record.get("shifted_spans") and not record["ld_global_v4"]:
+            out.append("scalar row without the aligned 128-bit loads of its spans")
         if record.get("paired") and not record.get("named_barriers"):
             # the rows of a paired block wait for each other at syncthreads: what pairing
             # exists to avoid (kernels/_config.BWD_PAIRED_ROWS)
