@@ -31,6 +31,7 @@ class ArrayInfo:
     host: np.ndarray = None  # host memory: a NumPy view in the storage dtype
     wrap: object = None     # turns a finished output into the caller's library (DLPack callers)
     readonly: bool = False
+    numpy: np.ndarray = None  # a host DLPack object as NumPy sees it
 
     def result(self):
         return self.wrap(self.obj) if self.wrap is not None else self.obj
@@ -204,6 +205,7 @@ def _describe_dlpack(obj, reinterpret, arg="x", fn="rmsnorm_hip"):
     if device == CPU:
         arr = np.from_dlpack(obj)
         info = _describe_numpy(arr, obj, "dlpack", reinterpret)
+        info.numpy = arr   # what empty() allocates outputs like (obj need not have a dtype)
         return info
     capsule = obj.__dlpack__(stream=None) if device != CPU else obj.__dlpack__()
     # the capsule owns a reference to obj's memory while we read the struct; obj keeps it alive
@@ -244,9 +246,13 @@ def empty(like, shape, dtype):
             torch = _torch()
             out = torch.empty(shape, dtype=getattr(torch, dtype))
             return out, describe(out, "out")
-        storage_view = like.obj.dtype == np.uint16 and dtype in _dtypes.HALF_DTYPES
+        source = like.obj if lib == "numpy" else like.numpy
+        storage_view = source.dtype == np.uint16 and dtype in _dtypes.HALF_DTYPES
         out = np.empty(shape, np.uint16 if storage_view else _dtypes.NUMPY[dtype])
-        return out, _describe_numpy(out, out, "numpy", dtype if storage_view else None)
+        info = _describe_numpy(out, out, "numpy", dtype if storage_view else None)
+        if lib == "dlpack":   # a host DLPack caller (JAX on the CPU) gets its own library back
+            info.wrap = lambda done: _back_to_library(like.obj, done)
+        return out, info
     if lib == "torch":
         torch = _torch()
         out = torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
@@ -290,15 +296,16 @@ def zero_fill(info):
         out.copy_to_device(np.zeros(info.shape, _dtypes.STORAGE[info.dtype]))
 
 
-def _back_to_library(like, cupy_out):
-    """A DLPack-speaking library's own array over ``cupy_out`` (e.g. JAX), else the CuPy array."""
+def _back_to_library(like, out):
+    """A DLPack-speaking library's own array over ``out`` (a CuPy array, or a NumPy one for a
+    host caller), e.g. JAX's; else ``out`` itself (a library with no ``from_dlpack``)."""
     root = type(like).__module__.split(".")[0]
     mod = sys.modules.get(root)
     if root in ("jax", "jaxlib"):
         import jax.numpy as jnp
-        return jnp.from_dlpack(cupy_out)
+        return jnp.from_dlpack(out)
     from_dlpack = getattr(mod, "from_dlpack", None)
-    return from_dlpack(cupy_out) if from_dlpack else cupy_out
+    return from_dlpack(out) if from_dlpack else out
 
 
 def _contiguous(shape):
