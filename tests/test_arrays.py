@@ -73,3 +73,76 @@ def test_host_dlpack_objects_get_their_library_back(hostdlpacklib, rng, use_back
         assert isinstance(g, HostDLPack)
         assert g.array.dtype == e.dtype and g.array.shape == e.shape
         np.testing.assert_array_equal(g.array, e)
+
+
+def _byte_set(a):
+    """Every byte address of a's elements."""
+    first = np.indices(a.shape).reshape(a.ndim, -1).T @ np.array(a.strides)
+    start = a.__array_interface__["data"][0]
+    return {start + int(f) + k for f in first for k in range(a.itemsize)}
+
+
+def test_overlap_rule_is_the_byte_sets(rng):
+    """_validate._share_elements against the byte sets themselves: never False for arrays that
+    share a byte, and False for row slices of one buffer that interleave without sharing one
+    (same row stride), which were refused before as overlapping spans."""
+    from rmsnorm_hip import _validate
+    buf = np.zeros(4096, np.uint8)
+    cases = 0
+    for _ in range(3000):
+        period = 4 * int(rng.integers(1, 6))      # a row stride in bytes both arrays share
+        views = []
+        for _ in range(2):
+            itemsize = int(rng.choice([1, 2, 4]))
+            ndim = int(rng.integers(1, 4))
+            shape = tuple(int(d) for d in rng.integers(1, 5, ndim))
+            row = period // itemsize
+            if rng.random() < 0.3:                   # a row stride of its own
+                row += int(rng.integers(0, 6))
+            shape = shape[:-1] + (min(shape[-1] + int(rng.integers(0, 4)), row),)
+            strides, step = [], row
+            for d in reversed(shape[:-1]):
+                strides.append(step)
+                step *= d
+            strides = tuple(reversed(strides)) + (1,)
+            if rng.random() < 0.1 and ndim > 1:      # leading dims that do not flatten
+                strides = (strides[0] + 1,) + strides[1:]
+            offset = int(rng.integers(0, 64)) * itemsize
+            dtype = {1: np.uint8, 2: np.float16, 4: np.float32}[itemsize]
+            view = np.lib.stride_tricks.as_strided(buf[offset:].view(dtype)[:1], shape,
+                                                   tuple(s * itemsize for s in strides))
+            views.append(view)
+        a, b = views
+        info_a = _arrays.describe(a, "a")
+        info_b = _arrays.describe(b, "b")
+        shared = bool(_byte_set(a) & _byte_set(b))
+        said = _validate._share_elements(info_a, info_b)
+        assert said or not shared, (a.shape, a.strides, b.shape, b.strides)
+        assert said == _validate._share_elements(info_b, info_a)
+        cases += not shared and said is False
+    assert cases > 100
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interleaved_outputs_are_not_overlaps(rng, use_backend, dtype):
+    """Column slices of one wider matrix are separate arrays (API.md: only overlap with an input
+    is an error): y written beside x, and the in-place fused add over x and residual side by
+    side, give bitwise the results of contiguous arrays; a slice one column over is refused."""
+    import rmsnorm_hip as R
+    from conftest import random_array
+    use_backend("cpu")
+    m, n = 7, 40
+    buf = random_array(rng, (m, 2 * n), dtype)
+    w = random_array(rng, (n,), dtype)
+    x = buf[:, :n].copy()
+    R.rms_norm(buf[:, :n], w, out=buf[:, n:])
+    np.testing.assert_array_equal(buf[:, n:].view(np.uint8), R.rms_norm(x, w).view(np.uint8))
+    np.testing.assert_array_equal(buf[:, :n].view(np.uint8), x.view(np.uint8))
+
+    buf = random_array(rng, (m, 2 * n), dtype)
+    y, r = R.fused_add_rms_norm(buf[:, :n].copy(), buf[:, n:].copy(), w)
+    R.fused_add_rms_norm_(buf[:, :n], buf[:, n:], w)
+    np.testing.assert_array_equal(buf[:, :n].view(np.uint8), y.view(np.uint8))
+    np.testing.assert_array_equal(buf[:, n:].view(np.uint8), r.view(np.uint8))
+    with pytest.raises(ValueError, match="residual overlaps x"):
+        R.fused_add_rms_norm_(buf[:, :n], buf[:, n - 1:-1], w)

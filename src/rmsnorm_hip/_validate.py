@@ -155,15 +155,58 @@ def output(info, like, shape, dtype, fn, arg, writeable=True):
 
 def no_overlap(out, inputs, fn, arg, allow_same=None,
                note="only out=x (in place) may share memory with an input"):
-    """``out`` shares no memory with any of ``inputs`` (``allow_same`` may be exactly ``out``)."""
-    lo, hi = out.ptr, out.ptr + out.extent_bytes()
+    """``out`` shares no element with any of ``inputs`` (``allow_same`` may be exactly ``out``).
+    Arrays whose byte spans interleave without sharing an element (two column slices of one
+    wider matrix, such as y written beside x) are accepted: every kernel writes exactly its
+    outputs' elements."""
     for name, info in inputs:
-        if info is None or hi == lo:
+        if info is None:
             continue
         if allow_same is info and info.ptr == out.ptr and info.strides == out.strides:
             continue
-        if info.ptr < hi and lo < info.ptr + info.extent_bytes():
+        if _share_elements(out, info):
             raise ValueError(f"{fn}: {arg} overlaps {name}; {note}")
+
+
+def _row_bands(info):
+    """(first byte, rows, row stride in bytes, row width in bytes) of an array whose elements
+    are rows of unit-stride elements at one row stride (what :func:`rows` accepts, and vectors);
+    None for any other layout."""
+    shape, strides, size = tuple(info.shape), tuple(info.strides), max(info.itemsize, 1)
+    if not shape or strides[-1] != 1:
+        return None
+    m = math.prod(shape[:-1])
+    stride = strides[-2] if len(shape) > 1 else 0
+    for d in range(len(shape) - 2):   # leading dims must flatten to the one row stride
+        if shape[d] > 1 and strides[d] != strides[d + 1] * shape[d + 1]:
+            return None
+    if m > 1 and not isinstance(stride, int):
+        return None
+    return info.ptr, m, stride * size, shape[-1] * size
+
+
+def _share_elements(a, b):
+    """Whether arrays a and b may have a byte in common: False only where none is shared, by
+    where their rows sit within one common row stride; otherwise by their byte spans (which may
+    say True for arrays that share nothing, never False for arrays that share a byte)."""
+    a_end, b_end = a.ptr + a.extent_bytes(), b.ptr + b.extent_bytes()
+    if a_end == a.ptr or b_end == b.ptr or not (b.ptr < a_end and a.ptr < b_end):
+        return False
+    bands = _row_bands(a), _row_bands(b)
+    if None in bands:
+        return True
+    (pa, ma, sa, wa), (pb, mb, sb, wb) = bands
+    if ma > 1 and mb > 1:
+        if sa != sb or wa > sa or wb > sb:
+            return True                   # interleaved at different strides: by span
+        offset = (pb - pa) % sa           # b's rows start this far into a's row period
+        return not (wa <= offset and offset + wb <= sa)
+    if ma == 1 and mb == 1:
+        return True                       # two runs of bytes whose spans meet
+    if ma == 1:                           # let a be the rows, b the one run of bytes
+        (pa, ma, sa, wa), (pb, wb) = (pb, mb, sb, wb), (pa, wa)
+    first = max(0, (pb - pa - wa) // sa + 1)   # the first row of a that ends after b starts
+    return first < ma and pa + first * sa < pb + wb
 
 
 def quant_dtype(value, fn):

@@ -47,7 +47,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
     weight : array (N,) in x's dtype, or float32 for 16-bit x; None for no scaling.
     eps : float >= 0.
     weight_offset : added to weight (1.0 gives Gemma's ``1 + w``); must be 0 without weight.
-    out : array like x to write y into (may be x itself; rows may be strided).
+    out : array like x to write y into: x itself, or memory sharing no element with x or
+        weight (rows may be strided, e.g. the columns beside x in one wider buffer).
     return_rstd : also return the float32 (M,) rstd.
     dtype : "bfloat16" / "float16" to read uint16 storage (CuPy has no bfloat16).
 
@@ -167,7 +168,8 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0,
 def fused_add_rms_norm_(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0, dtype=None):
     """In-place :func:`fused_add_rms_norm` (vLLM's contract): ``residual <- round(x + residual)``,
     then ``x <- rms_norm(residual)``, in one pass with no temporaries; bitwise the out-of-place
-    results.  x and residual must be writeable and must not overlap each other or weight.
+    results.  x and residual must be writeable and share no element with each other or weight
+    (they may be column slices of one wider buffer).
     Returns None."""
     fn = "fused_add_rms_norm_"
     key = None

@@ -250,11 +250,11 @@ class _FusedFunction(torch.autograd.Function):
 _ops = torch.ops.rmsnorm_hip
 
 
-def _check_tensors(fn, **tensors):
+def _check_tensors(fn, required=("x",), **tensors):
     for name, t in tensors.items():
-        if t is not None and not isinstance(t, Tensor):
+        if (t is not None or name in required) and not isinstance(t, Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor"
-                            f"{'' if name in ('x', 'residual') else ' or None'}, "
+                            f"{'' if name in required else ' or None'}, "
                             f"got {type(t).__module__}.{type(t).__qualname__}")
 
 
@@ -312,7 +312,7 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, weight_offset=0.0):
     rounding) and returns that one tensor as the gradient of both x and residual.
     """
     fn = "fused_add_rms_norm"
-    _check_tensors(fn, x=x, residual=residual, weight=weight)
+    _check_tensors(fn, ("x", "residual"), x=x, residual=residual, weight=weight)
     grad = _needs_grad(x, residual, weight)
     if _direct(x):
         if grad:
