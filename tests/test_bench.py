@@ -1,6 +1,7 @@
-"""The benchmark harness on the CPU target: every op checks ours and the NumPy peer against its
-float64 reference before timing, records GB/s from the op's byte formula, writes the JSON the
-README table is built from, and a wrong implementation is recorded as failed, not timed."""
+"""The benchmark harness on the CPU target: every op checks ours, the NumPy peer and (where torch
+is installed) torch's CPU operators against its float64 reference before timing, records GB/s
+from the op's byte formula, writes the JSON the README table is built from, and a wrong
+implementation is recorded as failed, not timed."""
 import json
 import os
 import sys
@@ -10,6 +11,11 @@ import pytest
 from rmsnorm_hip._bench import ops, runner, table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    import torch  # noqa: F401  (the CPU mode's torch peer: API.md's `--compare torch`)
+    IMPLS = ("ours", "numpy", "torch")
+except ImportError:
+    IMPLS = ("ours", "numpy")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +33,7 @@ def test_every_op_runs_and_passes_its_check(all_result):
     for run in result["runs"]:
         spec = ops.OPS[run["op"]]
         assert {(r["impl"], r["dtype"]) for r in run["records"]} == {
-            (impl, dtype) for impl in ("ours", "numpy") for dtype in ("bfloat16", "float32")}
+            (impl, dtype) for impl in IMPLS for dtype in ("bfloat16", "float32")}
         for record in run["records"]:
             assert record["ok"], (run["op"], record)
             assert 0 <= record["rel_err"] < spec.tolerance[record["dtype"]]

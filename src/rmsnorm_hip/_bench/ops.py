@@ -143,7 +143,8 @@ def _quant_op(name, quant_dtype):
               "cpu": {"ours": peers.ours_rms_norm_quant(quant_dtype)}},
         peers={"cuda": {"torch": peers.torch_rms_norm_quant(quant_dtype),
                         "torch_compile": peers.torch_compile_rms_norm_quant(quant_dtype)},
-               "cpu": {"numpy": peers.numpy_rms_norm_quant(quant_dtype)}},
+               "cpu": {"numpy": peers.numpy_rms_norm_quant(quant_dtype),
+                       "torch": peers.on_host(peers.torch_rms_norm_quant(quant_dtype))}},
         tolerance={dtype: QUANT_TOLERANCE[quant_dtype] for dtype in TOLERANCE},
     )
 
@@ -167,7 +168,7 @@ OPS = {
                 "liger": peers.liger_rms_norm,
                 "quack": peers.quack_rms_norm,
             },
-            "cpu": {"numpy": peers.numpy_rms_norm},
+            "cpu": {"numpy": peers.numpy_rms_norm, "torch": peers.on_host(peers.torch_rms_norm)},
         },
     ),
     "bwd": Op(
@@ -184,7 +185,8 @@ OPS = {
                         "torch_compile": peers.torch_compile_rms_norm_backward,
                         "liger": peers.liger_rms_norm_backward,
                         "quack": peers.quack_rms_norm_backward},
-               "cpu": {"numpy": peers.numpy_rms_norm_backward}},
+               "cpu": {"numpy": peers.numpy_rms_norm_backward,
+                       "torch": peers.on_host(peers.torch_eager_rms_norm_backward)}},
     ),
     "bwd_dres": Op(
         name="bwd_dres",
@@ -199,7 +201,8 @@ OPS = {
         peers={"cuda": {"torch": peers.torch_rms_norm_backward_dres,
                         "torch_compile": peers.torch_compile_rms_norm_backward_dres,
                         "quack": peers.quack_rms_norm_backward_dres},
-               "cpu": {"numpy": peers.numpy_rms_norm_backward}},
+               "cpu": {"numpy": peers.numpy_rms_norm_backward,
+                       "torch": peers.on_host(peers.torch_eager_rms_norm_backward_dres)}},
     ),
     "fused": Op(
         name="fused",
@@ -214,7 +217,8 @@ OPS = {
                         "torch_compile": peers.torch_compile_fused_add_rms_norm,
                         "liger": peers.liger_fused_add_rms_norm,
                         "quack": peers.quack_fused_add_rms_norm},
-               "cpu": {"numpy": peers.numpy_fused_add_rms_norm}},
+               "cpu": {"numpy": peers.numpy_fused_add_rms_norm,
+                       "torch": peers.on_host(peers.torch_fused_add_rms_norm)}},
     ),
     "quant": _quant_op("quant", "int8"),
     "quant_fp8": _quant_op("quant_fp8", "float8_e4m3fn"),

@@ -68,6 +68,42 @@ def quack_rms_norm():
 # ---- NumPy (CPU mode) ----
 
 
+def on_host(factory):
+    """A torch peer for the CPU mode, whose inputs and outputs are NumPy arrays: the arrays go
+    to torch and back without a copy (bfloat16 and float8 through their bits), so what is timed
+    is torch's CPU kernel and two views per array."""
+    def host_factory():
+        import numpy as np
+        import torch
+
+        fn = factory()
+
+        def to_torch(a):
+            if not isinstance(a, np.ndarray):
+                return a
+            name = a.dtype.name
+            if name in ("bfloat16", "float8_e4m3fn"):
+                bits = torch.from_numpy(a.view(np.int16 if name == "bfloat16" else np.uint8))
+                return bits.view(getattr(torch, name))
+            return torch.from_numpy(a)
+
+        def to_numpy(t):
+            name = str(t.dtype).replace("torch.", "")
+            if name in ("bfloat16", "float8_e4m3fn"):
+                import ml_dtypes
+                bits = t.view(torch.int16 if name == "bfloat16" else torch.uint8).numpy()
+                return bits.view(getattr(ml_dtypes, name))
+            return t.numpy()
+
+        def call(*args):
+            out = fn(*(to_torch(a) for a in args))
+            return tuple(map(to_numpy, out)) if isinstance(out, tuple) else to_numpy(out)
+
+        return call
+
+    return host_factory
+
+
 def numpy_rms_norm():
     import numpy as np
 
@@ -135,6 +171,16 @@ def _backward_formula(dy, x, weight, rstd, dresidual=None):
         dx = dx + dresidual.float()
     dw = (dy.float() * x_hat).sum(0)
     return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+def torch_eager_rms_norm_backward():
+    """The backward graph in eager torch operators: torch's CPU build has no
+    ``_fused_rms_norm_backward`` kernel (F.rms_norm's CPU autograd runs these operators)."""
+    return lambda dy, x, weight, rstd: _backward_formula(dy, x, weight, rstd)
+
+
+def torch_eager_rms_norm_backward_dres():
+    return _backward_formula
 
 
 def _compiled(fn):
