@@ -44,6 +44,25 @@ def detect():
     return "cpu", "host"
 
 
+def _host_arch():
+    """The host's machine and the CPU numba compiles for (llvmlite's name for it)."""
+    import platform
+    try:
+        import llvmlite.binding as llvm
+        return f"{platform.machine()} ({llvm.get_host_cpu_name()})"
+    except Exception:
+        return platform.machine()
+
+
+def _host_threads():
+    try:
+        import numba
+        return numba.config.NUMBA_NUM_THREADS
+    except Exception:
+        import os
+        return os.cpu_count()
+
+
 def cmd_info(args):
     name, device = detect()
     print(f"backend      {name}")
@@ -52,6 +71,11 @@ def cmd_info(args):
         b = backends.get(name, 0)
         print(f"arch         {b.arch}")
         print(f"SMs/CUs      {b.sm_count}")
+    elif name == "cpu":
+        print(f"arch         {_host_arch()}")
+        print(f"threads      {_host_threads()}")
+    else:   # the simulator runs the GPU kernels' source with this warp size
+        print(f"arch         {backends.get(name, 0).arch}")
     for pkg in ("rmsnorm-hip", "numba", "numba-cuda", "numba-hip", "llvmlite", "numpy",
                 "ml_dtypes", "cuda-bindings", "cupy-cuda13x", "cupy-cuda12x", "torch"):
         v = _version(pkg)

@@ -1,0 +1,19 @@
+"""`rmsnorm-hip info` (API.md: backend found, device, arch, versions) on the backends a machine
+without a GPU has."""
+import re
+
+import pytest
+
+from rmsnorm_hip import cli
+
+
+@pytest.mark.parametrize("backend,arch", [("cpu", r"\S+ \(\S+\)|\S+"), ("sim", r"sim\d+")])
+def test_info_names_backend_device_arch_and_versions(monkeypatch, capsys, backend, arch):
+    monkeypatch.setenv("RMSNORM_HIP_BACKEND", backend)
+    assert cli.main(["info"]) == 0
+    fields = dict(re.split(r"\s+", line, maxsplit=1)
+                  for line in capsys.readouterr().out.splitlines() if line.strip())
+    assert fields["backend"] == backend and fields["device"] == "host"
+    assert re.fullmatch(arch, fields["arch"]), fields["arch"]
+    assert re.fullmatch(r"\d+\.\d+.*", fields["numba"]) and fields["numpy"]
+    assert fields["rmsnorm-hip"]
