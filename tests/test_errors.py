@@ -675,3 +675,17 @@ def test_device_stand_ins_pass_validation(monkeypatch):
         rms_norm(dev(), dev((N,)), out=dev())
     with pytest.raises(AssertionError, match="rms_norm_bwd was called on the cuda backend"):
         rms_norm_backward(dev(), dev(), None, dev((M,)))
+
+
+def test_repeat_call_path_refuses_what_full_validation_refuses(rng, monkeypatch):
+    """A GPU array's repeat call finds its runner by a key of the call's metadata; return_rstd=1
+    (== True, same hash) would find the runner a return_rstd=True call left and return (y, rstd)
+    where full validation raises.  The key is faked here (it is None for NumPy arrays)."""
+    from rmsnorm_hip import functional
+    x = f32(rng)
+    monkeypatch.setattr(_arrays, "fast_key", lambda x, weight, flags, others=(): flags)
+    monkeypatch.setitem(functional._fwd_runners, (True, None),
+                        lambda *args: pytest.fail("the repeat-call runner ran"))
+    monkeypatch.delenv("RMSNORM_HIP_BACKEND", raising=False)
+    with pytest.raises(TypeError, match=r"rms_norm: return_rstd must be a bool, got int"):
+        rms_norm(x, return_rstd=1)

@@ -56,7 +56,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
     -------
     y, or (y, rstd) — in x's library and on x's device.
     """
-    if out is None and dtype is None:
+    # return_rstd=1 would find the plan kept for True (equal keys): full validation refuses it
+    if out is None and dtype is None and type(return_rstd) is bool:
         key = _arrays.fast_key(x, weight, (return_rstd, _environ.get(backends.ENV)))
         if key is not None:
             run = _runner(_fwd_runners, key, eps, weight_offset, weight)
