@@ -146,3 +146,16 @@ def test_interleaved_outputs_are_not_overlaps(rng, use_backend, dtype):
     np.testing.assert_array_equal(buf[:, n:].view(np.uint8), r.view(np.uint8))
     with pytest.raises(ValueError, match="residual overlaps x"):
         R.fused_add_rms_norm_(buf[:, :n], buf[:, n - 1:-1], w)
+
+
+@pytest.mark.parametrize("module,kind,numba_gpu", [
+    ("numba.hip.hipdrv.devicearray", _arrays.ROCM, "numba.hip"),
+    ("numba.cuda.cudadrv.devicearray", _arrays.CUDA, "numba.cuda"),
+    ("numba.hipster", _arrays.CUDA, None), ("somelib", _arrays.CUDA, None)])
+def test_numba_device_arrays_are_on_their_own_vendor(module, kind, numba_gpu):
+    """A numba-hip device array is a ROCm array even in a process that imported numba.cuda
+    (this one has: the simulator), and its outputs come from numba-hip, not numba.cuda."""
+    fake = type("DeviceNDArray", (), {"__module__": module})()
+    cai = dict(shape=(2, 3), typestr="<f4", data=(0x1000, False), strides=None, version=3)
+    assert _arrays._from_cai(fake, "cai", cai, 0, None).device == kind
+    assert _arrays._numba_gpu_module(fake) == numba_gpu

@@ -7,6 +7,7 @@ no copy.  :func:`empty` allocates an output in the caller's library on the calle
 when a tensor of theirs arrives, their module is already in ``sys.modules``.
 """
 import ctypes
+import importlib
 import sys
 from dataclasses import dataclass
 
@@ -144,19 +145,31 @@ def _from_cai(obj, lib, cai, device_index, reinterpret):
     ptr = cai["data"][0] or 0
     if device_index is None:
         device_index = _pointer_device(ptr)
-    info = ArrayInfo(obj, lib, ptr, shape, strides, name, _cai_device_kind(lib), device_index)
+    info = ArrayInfo(obj, lib, ptr, shape, strides, name, _cai_device_kind(lib, obj),
+                     device_index)
     info.cai_stream = cai.get("stream")
     return info
 
 
-def _cai_device_kind(lib):
+def _cai_device_kind(lib, obj):
     """``__cuda_array_interface__`` is spoken by ROCm libraries too (CuPy-ROCm, numba-hip)."""
     cupy = _cupy()
     if lib == "cupy" and getattr(cupy.cuda.runtime, "is_hip", False):
         return ROCM
-    if lib == "cai" and "numba.hip" in sys.modules and "numba.cuda" not in sys.modules:
+    if lib == "cai" and (_numba_gpu_module(obj) == "numba.hip" or (
+            "numba.hip" in sys.modules and "numba.cuda" not in sys.modules)):
         return ROCM
     return CUDA
+
+
+def _numba_gpu_module(obj):
+    """"numba.hip" / "numba.cuda" for a device array of numba-hip / numba-cuda (numba-hip
+    replicates numba.cuda's API under its own name), else None."""
+    module = type(obj).__module__
+    for name in ("numba.hip", "numba.cuda"):
+        if module == name or module.startswith(name + "."):
+            return name
+    return None
 
 
 def _pointer_device(ptr):
@@ -258,10 +271,11 @@ def empty(like, shape, dtype):
         out = torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
         return out, ArrayInfo(out, "torch", out.data_ptr(), tuple(shape), _contiguous(shape),
                               dtype, like.device, like.device_index)
-    if lib == "cai" and type(like.obj).__module__.startswith("numba"):
-        from numba import cuda
-        with cuda.gpus[like.device_index]:
-            out = cuda.device_array(shape, _dtypes.STORAGE[dtype])
+    numba_gpu = _numba_gpu_module(like.obj) if lib == "cai" else None
+    if numba_gpu is not None:            # a numba-cuda or numba-hip caller gets its own arrays
+        gpu = importlib.import_module(numba_gpu)
+        with gpu.gpus[like.device_index]:
+            out = gpu.device_array(shape, _dtypes.STORAGE[dtype])
         return out, _from_cai(out, "cai", out.__cuda_array_interface__, like.device_index, dtype)
     cupy = _cupy()
     if cupy is None:
