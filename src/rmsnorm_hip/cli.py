@@ -161,6 +161,11 @@ class _Case:
 
 def cmd_check(args):
     name, device = detect()
+    forced = backends.requested()
+    if forced in ("cuda", "hip") and name != forced:
+        print(f"rmsnorm-hip check: {backends.ENV}={forced}, but no {forced.upper()} device was "
+              f"found (unset it to check the {name} backend)", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(args.seed)
     if name in ("cuda", "hip"):
         to_device, to_host, lib = _device_arrays()
