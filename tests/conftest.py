@@ -259,6 +259,10 @@ def pytest_collection_modifyitems(config, items):
     if shard:
         index, count = (int(v) for v in shard.split("/"))
         items[:] = [item for k, item in enumerate(items) if k % count == index]
+    # the ahead-of-time compiles (minutes each, in subprocesses; the whole backward catalog's
+    # the longest) first: pytest-xdist hands tests out in this order, so they run beside the
+    # rest instead of one after another at the end
+    items.sort(key=lambda item: ("compile" not in item.keywords, "catalog" not in item.name))
     if SIM_ENABLED:
         return
     skip = pytest.mark.skip(reason="NUMBA_ENABLE_CUDASIM is not 1 in this process: numba.cuda "

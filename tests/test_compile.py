@@ -148,6 +148,7 @@ if __name__ == "__main__":
     compile_variants(*sys.argv[1:3])
 
 
+@pytest.mark.compile
 def test_catalog_backward_compiles_to_sm90(tmp_path):
     """Every backward variant of kernels/catalog.py (the deterministic and atomic-dweight forms
     and the partial-row reductions) through `rmsnorm-hip compile --target cuda`: its gates
