@@ -59,20 +59,15 @@ def compile_variants(op, dtype):
     except Exception as exc:  # no libNVVM: nothing to compile with
         print(json.dumps({"skip": f"numba-cuda's NVVM is not available: {exc}"}))
         return
-    from rmsnorm_hip import intrinsics
+    from rmsnorm_hip import aot, intrinsics
     from rmsnorm_hip.backends.cuda import compile_ptx
-    from rmsnorm_hip.kernels import _config
     intr = intrinsics.load("cuda")
     for variant in catalog_variants((op, dtype)):
         vector = bool(getattr(variant.spec, "vector", False))
-        layout = getattr(variant.spec, "layout", None)
         record = {"label": variant.label, "vector": vector,
                   "full_width_store": variant.full_width_store,
                   # a scalar row with spans inside it loads them as aligned 128-bit blocks
-                  # (backward rows held to 64 registers a thread excepted: scalar_shifted)
-                  "shifted_spans": bool(not vector and layout is not None
-                                        and layout.n >= 3 * layout.chunk
-                                        and _config.scalar_shifted(variant.spec))}
+                  "shifted_spans": aot.shifted_spans(variant.spec)}
         try:
             ptx, entry = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, CC)
         except Exception as exc:

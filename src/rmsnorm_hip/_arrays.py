@@ -32,7 +32,7 @@ class ArrayInfo:
     host: np.ndarray = None  # host memory: a NumPy view in the storage dtype
     wrap: object = None     # turns a finished output into the caller's library (DLPack callers)
     readonly: bool = False
-    numpy: np.ndarray = None  # a host DLPack object as NumPy sees it
+    numpy: np.ndarray = None  # host memory as the caller's NumPy dtype sees it
 
     def result(self):
         return self.wrap(self.obj) if self.wrap is not None else self.obj
@@ -83,7 +83,7 @@ def _describe_numpy(arr, obj, lib, reinterpret):
     strides = tuple(s // itemsize if s % itemsize == 0 else s / itemsize for s in arr.strides)
     host = arr.view(_dtypes.STORAGE[name]) if name in _dtypes.STORAGE else arr
     return ArrayInfo(obj, lib, arr.__array_interface__["data"][0], tuple(arr.shape), strides,
-                     name, CPU, -1, host, readonly=not arr.flags.writeable)
+                     name, CPU, -1, host, readonly=not arr.flags.writeable, numpy=arr)
 
 
 _TORCH_NAMES = {}
@@ -217,9 +217,7 @@ def _describe_dlpack(obj, reinterpret, arg="x", fn="rmsnorm_hip"):
                          f"1, 2, 3 or 10), got DLPack device type {int(dev_type)}")
     if device == CPU:
         arr = np.from_dlpack(obj)
-        info = _describe_numpy(arr, obj, "dlpack", reinterpret)
-        info.numpy = arr   # what empty() allocates outputs like (obj need not have a dtype)
-        return info
+        return _describe_numpy(arr, obj, "dlpack", reinterpret)
     capsule = obj.__dlpack__(stream=None) if device != CPU else obj.__dlpack__()
     # the capsule owns a reference to obj's memory while we read the struct; obj keeps it alive
     managed = _get_capsule_pointer(capsule, b"dltensor")
@@ -259,8 +257,8 @@ def empty(like, shape, dtype):
             torch = _torch()
             out = torch.empty(shape, dtype=getattr(torch, dtype))
             return out, describe(out, "out")
-        source = like.obj if lib == "numpy" else like.numpy
-        storage_view = source.dtype == np.uint16 and dtype in _dtypes.HALF_DTYPES
+        # like.numpy, not like.obj: a host DLPack object need not have a dtype
+        storage_view = like.numpy.dtype == np.uint16 and dtype in _dtypes.HALF_DTYPES
         out = np.empty(shape, np.uint16 if storage_view else _dtypes.NUMPY[dtype])
         info = _describe_numpy(out, out, "numpy", dtype if storage_view else None)
         if lib == "dlpack":   # a host DLPack caller (JAX on the CPU) gets its own library back

@@ -162,7 +162,7 @@ def amd_records(variant, archs, intr, keep_dir=None):
     return records
 
 
-def _shifted_spans(spec):
+def shifted_spans(spec):
     """Whether a scalar kernel of ``spec`` loads the 16-byte spans inside its rows as aligned
     128-bit blocks (kernels/_config.scalar_shifted: rows of three chunks or more)."""
     from .kernels import _config
@@ -196,7 +196,7 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             stream_loads=bool(getattr(variant.spec, "stream_loads", False)),
             ld_global_cs=len(re.findall(r"\bld\.global\.cs\.", ptx)),
             atomic_dweight=bool(getattr(variant.spec, "atomic_dweight", False)),
-            shifted_spans=_shifted_spans(variant.spec),
+            shifted_spans=shifted_spans(variant.spec),
             red_global_add=len(re.findall(r"\bred\.global\.add\.", ptx)),
             red_global_add_v4=len(re.findall(r"\bred\.global\.add\.v4\.f32\b", ptx)),
             shared_bytes=sum(int(n) for n in re.findall(

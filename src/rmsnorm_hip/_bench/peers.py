@@ -78,21 +78,21 @@ def on_host(factory):
 
         fn = factory()
 
+        bits = {"bfloat16": (np.int16, torch.int16), "float8_e4m3fn": (np.uint8, torch.uint8)}
+
         def to_torch(a):
             if not isinstance(a, np.ndarray):
                 return a
             name = a.dtype.name
-            if name in ("bfloat16", "float8_e4m3fn"):
-                bits = torch.from_numpy(a.view(np.int16 if name == "bfloat16" else np.uint8))
-                return bits.view(getattr(torch, name))
+            if name in bits:
+                return torch.from_numpy(a.view(bits[name][0])).view(getattr(torch, name))
             return torch.from_numpy(a)
 
         def to_numpy(t):
             name = str(t.dtype).replace("torch.", "")
-            if name in ("bfloat16", "float8_e4m3fn"):
+            if name in bits:
                 import ml_dtypes
-                bits = t.view(torch.int16 if name == "bfloat16" else torch.uint8).numpy()
-                return bits.view(getattr(ml_dtypes, name))
+                return t.view(bits[name][1]).numpy().view(getattr(ml_dtypes, name))
             return t.numpy()
 
         def call(*args):
