@@ -30,7 +30,7 @@ on branch exp/cluster-combine) and ``p_fit`` / ``p_balanced`` / ``p_round``.  Se
 hinted; knobs since removed).  Session 20 ran ``det`` / ``atomic`` (dweight by float32 atomics
 at every M, called with deterministic=False; the first runs before the thresholds existed) and
 ``nondet`` (deterministic=False as shipped); ``--wdtype float32`` gives 16-bit rows a float32
-weight.
+weight.  Session 22 ran ``early_dw`` / ``late_dw`` (BWD_EARLY_DWEIGHT).
 """
 import argparse
 import json
@@ -117,6 +117,10 @@ SETTINGS = {
                "BWD_ATOMIC_MAX_FLOATS": 1 << 62, "BWD_ATOMIC_MIN_ROWS_PER_PROGRAM": 0},
     # deterministic=False as shipped (atomics where _config.bwd_atomic_dweight takes them)
     "nondet": {"_deterministic": False},
+    # unpaired rows with the next row's rstd: the dweight partial's fma in pass 1 and its stores
+    # with the last row's pass 1 (early), or in pass 2 and after the last row (late)
+    "early_dw": {"BWD_EARLY_DWEIGHT": {"cuda": True, "hip": False}},
+    "late_dw": {"BWD_EARLY_DWEIGHT": {"cuda": False, "hip": False}},
 }
 
 

@@ -459,6 +459,48 @@ def test_sim_next_rstd_gives_the_in_row_bits(rng, use_backend, monkeypatch, dtyp
 
 
 @pytest.mark.sim
+@pytest.mark.parametrize("m,n,dtype,wdtype,sms", [(21, 128, BFLOAT16, BFLOAT16, 2),
+                                                  (9, 1000, FLOAT32, FLOAT32, 3),
+                                                  (3, 8192, "float16", FLOAT32, 2),
+                                                  (1, 1000, BFLOAT16, FLOAT32, 2)], ids=str)
+def test_sim_early_dweight_gives_the_late_bits(rng, use_backend, monkeypatch, m, n, dtype, wdtype,
+                                               sms):
+    """Rows with the next row's rstd take the dweight partial's fma in pass 1 and store the
+    partial row with the last row's pass 1 (BwdSpec.early_dweight) or in pass 2 and after the
+    last row: the same bits, the float64 contract, every output and workspace row written
+    (poisoned).  Multi-row blocks of several row blocks a program (ragged: rows past M), two-chunk
+    rows (N = 8192), one row; deterministic=False's atomic adds too."""
+    be = use_backend("sim")
+    monkeypatch.setattr(be, "sm_count", sms)
+    _nan_outputs(monkeypatch)
+    x, dy = random_array(rng, (m, n), dtype), random_array(rng, (m, n), dtype)
+    w = random_array(rng, (n,), wdtype, loc=1.0, scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True)[1]
+    _patch(monkeypatch, "BWD_EARLY_DWEIGHT", {"cuda": True, "hip": False})
+    early = rms_norm_backward(dy, x, w, rstd)
+    assert _ran(be).early_dweight
+    ref = rms_norm_backward_ref(dy, x, w, rstd)
+    assert_dx(early[0], dy, x, w, rstd, ref[0], dtype)
+    assert_dweight(early[1], ref[1], wdtype)
+    early_nd = rms_norm_backward(dy, x, w, rstd, deterministic=False)
+    # rstd recomputed, dresidual: no rstd before the reduction (none, or not loaded ahead)
+    assert not _config.bwd_spec(n, dtype, wdtype, True, True, False).early_dweight
+    assert not _config.bwd_spec(n, dtype, wdtype, True, False, True).early_dweight
+    assert not _config.bwd_spec(n, dtype, wdtype, True, False, False, "hip").early_dweight
+    _patch(monkeypatch, "BWD_EARLY_DWEIGHT", {"cuda": False, "hip": False})
+    late = rms_norm_backward(dy, x, w, rstd)
+    assert not _ran(be).early_dweight
+    late_nd = rms_norm_backward(dy, x, w, rstd, deterministic=False)
+    assert_bitwise(early[0], late[0], "dx, early vs late dweight partial")
+    assert_bitwise(early[1], late[1], "dweight, early vs late dweight partial")
+    assert_bitwise(early_nd[0], late_nd[0], "dx, deterministic=False")
+    if wdtype == FLOAT32 and n % 4 == 0:    # atomics: another order, the contract
+        assert_dweight(early_nd[1], ref[1], wdtype)
+    else:
+        assert_bitwise(early_nd[1], late_nd[1], "dweight, deterministic=False")
+
+
+@pytest.mark.sim
 @pytest.mark.parametrize("dtype,given_rstd", [("bfloat16", True), ("float32", False)])
 def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, dtype, given_rstd):
     """Packed rows with dresidual load its words before the row's reduction (BwdSpec.early_dres)

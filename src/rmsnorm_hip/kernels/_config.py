@@ -245,6 +245,13 @@ BWD_HOLD_WEIGHT_MAX_CHUNKS = 1
 # 1024x8192 56.0 / 56.3.  The dresidual form lost 9-19 points with it (..._dres_rstd_scalar_ws
 # .json; ptxas 13.5 gives that form 62 registers and no spills: cause not established)
 BWD_PREFETCH_RSTD = True
+# rows with the next row's rstd (BWD_PREFETCH_RSTD), unpaired, of more than 64 registers a
+# thread: the dweight partial's fma in pass 1 and its stores with the last row's pass 1, ahead
+# of that row's reduction and dx (BwdSpec.early_dweight).  In 64 registers (16-bit N = 4096
+# rows of 512 threads, two blocks per SM) it spilled 12-24 B (ptxas 13.0); the 16-bit N = 8192
+# rows took 113-119 registers instead of 111-126, float32 N = 4096 94 instead of 96.
+# Not measured yet
+BWD_EARLY_DWEIGHT = {"cuda": False, "hip": False}
 # scalar (any-alignment) kernels move a 16-byte span of a row that lies inside the row (not a
 # row's first span, nor its last one or two) as aligned accesses: loaded as the two aligned
 # 16-byte blocks around it, funnel-shifted into place, stored in aligned pieces (one 128-bit
@@ -429,6 +436,9 @@ class BwdSpec:
     # zeroed dweight, with no reduction kernel (deterministic=False; cached rows;
     # bwd_atomic_dweight)
     atomic_dweight: bool = False
+    # rows whose rstd is known before their reduction (prefetch_rstd), unpaired: the dweight
+    # partial accumulated in pass 1 and stored with the last row's pass 1 (BWD_EARLY_DWEIGHT)
+    early_dweight: bool = False
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True,
@@ -468,17 +478,19 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
                     and layout.cached and layout.chunks_per_thread == 1
                     and 2 * layout.threads == MAX_THREADS and bwd_blocks_per_sm(layout) == 2)
     paired = pairable and packed
+    prefetch_rstd = prefetch and not recompute_rstd and not dresidual and BWD_PREFETCH_RSTD
     return BwdSpec(layout=layout, rows=2 if paired else rows, dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
                    packed=packed, prefetch=prefetch,
                    early_dres=packed and dresidual and BWD_EARLY_DRESIDUAL and ahead,
-                   prefetch_rstd=(prefetch and not recompute_rstd and not dresidual
-                                  and BWD_PREFETCH_RSTD),
+                   prefetch_rstd=prefetch_rstd,
                    hold_weight=hold_weight, paired=paired, pair_twin=pairable and not packed,
                    stream_loads=bool(stream and packed and vector and itemsize == 2
                                      and BWD_STREAM_LOADS[vendor]),
                    atomic_dweight=bool(atomic and weight == _dtypes.FLOAT32 and layout.cached
-                                       and vector))
+                                       and vector),
+                   early_dweight=bool(prefetch_rstd and weight and not paired and budget > 1
+                                      and BWD_EARLY_DWEIGHT[vendor]))
 
 
 def bwd_atomic_dweight(spec, m, programs, vendor="cuda"):

@@ -80,6 +80,11 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # the reduction, instead of in pass 2 after it (where each row waited for them)
     early_dres = spec.early_dres
     dres_words = words if early_dres else 1
+    # early dweight (rows whose rstd is known before their reduction): the partial's fma in
+    # pass 1 instead of pass 2, and the partial row stored with the last row's pass 1, so its
+    # stores drain while that row reduces and writes dx rather than after it.  The same fma on
+    # the same operands in the same row order: the same bits
+    early_dw = spec.early_dweight
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     # paired rows (spec.paired: cached, weighted rows only): each row of the block at its own
@@ -162,6 +167,19 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         for a in range(chunk // 4):
             if col0 + a * 4 < n:
                 ws_store_4(ws, start, col0 + a * 4, vals, slot + a * 4)
+
+    @jitable
+    def store_partial(ws, ws_start, tx, acc):
+        """An unpaired cached row's dweight partial to its workspace row, or added into the
+        accumulator row (``atomic``)."""
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if atomic:
+                for a in range(chunk // 4):
+                    if col0 + a * 4 < n:
+                        ws_add_4(ws, col0 + a * 4, acc, k * chunk + a * 4)
+            else:
+                ws_store(ws, ws_start, col0, acc, k * chunk)
 
     @jitable
     def weighted(dv, wv, slot, wslot, weight_offset, out):
@@ -271,6 +289,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                     s += chunk_dot(xt, 0, wdy, 0)
                     if recompute:
                         ss += chunk_sumsq(xt, 0)
+                    if early_dw and live:
+                        for e in range(chunk):
+                            acc[slot + e] = fma(dt[e], xt[e] * r_row, acc[slot + e])
                     continue
                 load_or_zero(x, x_start, col0, live, xv, slot)
                 load_or_zero(dy, dy_start, col0, live, dv, slot)
@@ -280,6 +301,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 s += chunk_dot(xv, slot, wdy, 0)
                 if recompute:
                     ss += chunk_sumsq(xv, slot)
+            if early_dw and it == iters - 1:
+                store_partial(ws, ws_start, tx, acc)
             if recompute:
                 ss = row_sum(ss, red, parity, ty, tx)
                 parity ^= 1
@@ -321,7 +344,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                             x_hat = xv[vslot + e] * r
                             g = fma(-x_hat, c1, wdy[e])
                             out[e] = fma(g, r, rv[e]) if has_dres else g * r
-                            if has_weight:
+                            if has_weight and not early_dw:
                                 if cached:
                                     acc[slot + e] = fma(dv[vslot + e], x_hat, acc[slot + e])
                                 elif col0 + e < n:
@@ -353,15 +376,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                     acc[half + e] += part[0, e, tx]
                 if col0 + half < n:
                     ws_put(ws, ws_start, col0 + half, acc, half)
-        elif cached and has_weight:
-            for k in range(per_thread):
-                col0 = (tx + k * threads) * chunk
-                if atomic:
-                    for a in range(chunk // 4):
-                        if col0 + a * 4 < n:
-                            ws_add_4(ws, col0 + a * 4, acc, k * chunk + a * 4)
-                else:
-                    ws_store(ws, ws_start, col0, acc, k * chunk)
+        elif cached and has_weight and not (early_dw and iters > 0):
+            store_partial(ws, ws_start, tx, acc)
 
     return rmsnorm_bwd
 
