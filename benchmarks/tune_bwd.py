@@ -30,7 +30,7 @@ on branch exp/cluster-combine) and ``p_fit`` / ``p_balanced`` / ``p_round``.  Se
 hinted; knobs since removed).  Session 20 ran ``det`` / ``atomic`` (dweight by float32 atomics
 at every M, called with deterministic=False; the first runs before the thresholds existed) and
 ``nondet`` (deterministic=False as shipped); ``--wdtype float32`` gives 16-bit rows a float32
-weight.  Session 22 ran ``early_dw`` / ``late_dw`` (BWD_EARLY_DWEIGHT).
+weight.  Session 22 ran ``early_dw`` / ``late_dw`` / ``early_fit`` (BWD_EARLY_DWEIGHT).
 """
 import argparse
 import json
@@ -121,6 +121,9 @@ SETTINGS = {
     # with the last row's pass 1 (early), or in pass 2 and after the last row (late)
     "early_dw": {"BWD_EARLY_DWEIGHT": {"cuda": True, "hip": False}},
     "late_dw": {"BWD_EARLY_DWEIGHT": {"cuda": False, "hip": False}},
+    # early, with as many programs as fit (programs of a row block fewer store theirs sooner)
+    "early_fit": {"BWD_EARLY_DWEIGHT": {"cuda": True, "hip": False},
+                  "BWD_BALANCE_MAX_STEPS": {"cuda": 0, "hip": 0}},
 }
 
 
