@@ -250,8 +250,18 @@ BWD_PREFETCH_RSTD = True
 # of that row's reduction and dx (BwdSpec.early_dweight).  In 64 registers (16-bit N = 4096
 # rows of 512 threads, two blocks per SM) it spilled 12-24 B (ptxas 13.0); the 16-bit N = 8192
 # rows took 113-119 registers instead of 111-126, float32 N = 4096 94 instead of 96.
-# Not measured yet
-BWD_EARLY_DWEIGHT = {"cuda": False, "hip": False}
+# H200, us (kernel 1 + reduction), late / early, three rounds of bf16, two of the others
+# (results/tune_h200_20261203_s22/tune_bwd*.json; the same bits in every case):
+#   bf16 1024x8192 19.49, 19.34, 19.50 / 18.66, 18.74, 18.70 (kernel 1 17.3-17.6 / 16.6-16.8)
+#   bf16 8192x8192 105.79, 105.74, 105.84 / 105.18, 105.12, 105.46
+#   bf16 16384x8192 201.62, 201.81, 201.79 / 201.42, 200.69, 200.97
+#   bf16 2048x8192 31.42, 32.56, 31.63 / 32.51, 31.54, 31.54 (level within its spread)
+#   float32 4096x4096 55.81, 55.90 / 55.25, 55.15; 8192x4096 102.66, 102.74 / 103.09, 102.64;
+#   1024x4096 17.79, 17.86 / 17.97, 17.79
+#   bf16 rows, float32 weight: 1024x8192 19.57, 19.60 / 19.02, 18.56; 8192x8192 105.89, 105.62
+#   / 105.71, 105.71
+# AMD: not measured, not taken
+BWD_EARLY_DWEIGHT = {"cuda": True, "hip": False}
 # scalar (any-alignment) kernels move a 16-byte span of a row that lies inside the row (not a
 # row's first span, nor its last one or two) as aligned accesses: loaded as the two aligned
 # 16-byte blocks around it, funnel-shifted into place, stored in aligned pieces (one 128-bit
