@@ -260,6 +260,8 @@ BWD_PREFETCH_RSTD = True
 #   1024x4096 17.79, 17.86 / 17.97, 17.79
 #   bf16 rows, float32 weight: 1024x8192 19.57, 19.60 / 19.02, 18.56; 8192x8192 105.89, 105.62
 #   / 105.71, 105.71
+# With it the bench's backward at 1024x8192 read 74% of copy (16.6 us; 70 is the issue-4 target),
+# five rounds 74.4 [73.5, 74.7] (results/bwd_h200_20261203_0801.json, repeat_cases_s22.json).
 # AMD: not measured, not taken
 BWD_EARLY_DWEIGHT = {"cuda": True, "hip": False}
 # scalar (any-alignment) kernels move a 16-byte span of a row that lies inside the row (not a
