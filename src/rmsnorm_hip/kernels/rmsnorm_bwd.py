@@ -7,9 +7,9 @@
 
 ``rmsnorm_bwd`` runs a persistent grid of P programs (blocks of ``threads x rows``); program p
 takes the row blocks p, p + P, ...  Each thread owns the same chunks of every row, so its share of
-dweight stays in float32 registers (cached layouts, written to the workspace at the end) or in its
-program's workspace row (looped layouts, read-modify-write: that row and those columns belong to
-the thread alone).  ``dweight_reduce`` then sums the workspace ``ws[P * rows, N]`` (``ws[P, N]``
+dweight stays in float32 registers (cached layouts, written to the workspace at the end, or with
+the last row's pass 1 where ``spec.early_dweight``) or in its program's workspace row (looped
+layouts, read-modify-write: that row and those columns belong to the thread alone).  ``dweight_reduce`` then sums the workspace ``ws[P * rows, N]`` (``ws[P, N]``
 for paired blocks) column-wise in a
 fixed order: dweight is the same bits on every run with the same P (a function of M, N and the
 device).  With ``recompute_rstd`` the row's sum of squares is reduced in the same pass as
