@@ -11,9 +11,9 @@ dweight stays in float32 registers (cached layouts, written to the workspace at 
 the last row's pass 1 where ``spec.early_dweight``) or in its program's workspace row (looped
 layouts, read-modify-write: that row and those columns belong to the thread alone).
 ``dweight_reduce`` then sums the workspace ``ws[P * rows, N]`` (``ws[P, N]`` for paired blocks)
-column-wise in a fixed order: dweight is the same bits on every run with the same P (a function
-of M, N and the device).  With ``recompute_rstd`` the row's sum of squares is reduced in the same pass as
-sum(x * wdy), exactly as the forward reduces it.  Paired blocks (``spec.paired``, CUDA) hold two
+column-wise in a fixed order: dweight is the same bits on every run with the same P (a function of
+M, N and the device). With ``recompute_rstd`` the row's sum of squares is reduced in the same pass
+as sum(x * wdy), exactly as the forward reduces it. Paired blocks (``spec.paired``, CUDA) hold two
 rows that wait at their own named barriers and sum their partials into one workspace row; the
 scalar kernel of such a call shape stands in for the pair (``spec.pair_twin``: two programs per
 paired program, their workspace rows summed pairwise first by ``dweight_reduce``), so both sum
