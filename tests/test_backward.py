@@ -392,7 +392,7 @@ def test_sim_two_chunk_rows_keep_words_in_both_forms(rng, use_backend, monkeypat
 
     def lean(*args, **kwargs):
         return dataclasses.replace(real(*args, **kwargs), prefetch=False, early_dres=False,
-                                   prefetch_rstd=False, hold_weight=False)
+                                   prefetch_rstd=False, hold_weight=False, early_dweight=False)
 
     m = 7
     # each array twice: rows at 16-byte offsets (vector) and one element off them (scalar)
@@ -420,6 +420,7 @@ def test_sim_two_chunk_rows_keep_words_in_both_forms(rng, use_backend, monkeypat
                     assert spec.hold_weight == ahead
                     assert spec.prefetch == (ahead and not (r is None and dresidual is not None))
                     assert spec.early_dres == (ahead and dresidual is not None)
+                    assert spec.early_dweight == (ahead and r is not None and dresidual is None)
             first = outs["ahead", True]
             for key, out in outs.items():
                 assert_bitwise(out[0], first[0], f"dx, {key} vs ('ahead', True)")

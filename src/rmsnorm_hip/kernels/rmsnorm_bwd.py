@@ -85,6 +85,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # stores drain while that row reduces and writes dx rather than after it.  The same fma on
     # the same operands in the same row order: the same bits
     early_dw = spec.early_dweight
+    assert not early_dw or (next_rstd and has_weight and not spec.paired), spec
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
     # paired rows (spec.paired: cached, weighted rows only): each row of the block at its own
