@@ -5,9 +5,7 @@ read-only flush.  What no kernel of that op and shape is expected to beat: at sm
 write flush's dirty lines and the launch ramp cost a copy too.  Each case is timed twice and the
 first timing discarded, as the benchmark's warm-up pass does (runner._warm_up; session 7's
 ceilings, timed once right after a larger case, came out below what the forward later reached).
-``quant_cast`` (session 24) is not a byte copy but the quantised op's own access pattern without
-its row reductions: a torch cast of bf16 x to int8 (reads 2 B, writes 1 B an element).  Writes
-copy_same_bytes{tag}.json.
+Writes copy_same_bytes{tag}.json.
 
     PYTHONPATH=src python3 benchmarks/copy_ceiling.py [--out DIR] [--flush write,read]
         [--shapes MxN,...] [--tag _x]
@@ -42,15 +40,10 @@ def main():
     for mode in args.flush.split(","):
         flush = timing.L2Flush(mode)
         for m, n in shapes:
-            for op, per in {**BYTES_PER_ELEMENT, "quant_cast": 3}.items():
+            for op, per in BYTES_PER_ELEMENT.items():
                 nbytes = per * m * n
-                if op == "quant_cast":
-                    src = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-                    dst = torch.empty(m, n, device="cuda", dtype=torch.int8)
-                else:
-                    src = torch.empty(nbytes // 2, dtype=torch.uint8,
-                                      device="cuda").random_(0, 255)
-                    dst = torch.empty_like(src)
+                src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
+                dst = torch.empty_like(src)
                 timing.cuda_device_time(lambda: dst.copy_(src), flush)  # noqa: B023 (warm-up)
                 t = timing.cuda_device_time(lambda: dst.copy_(src), flush)  # noqa: B023
                 row = dict(flush=mode, m=m, n=n, op=op, bytes=nbytes, us=t["us"],

@@ -7,11 +7,14 @@ The copy bandwidth is measured before and after.  One JSON line per (case, round
 summary per (case, impl): median, min and max of the rounds, in us and % of the first copy.
 
     PYTHONPATH=src python3 benchmarks/repeat_cases.py [--rounds 7]
-        [--cases fused:4096x4096,bwd:8192x8192,...] [--chunks 3,4] [--tag _x] [--out DIR]
+        [--cases fused:4096x4096,bwd:8192x8192,...] [--chunks 3,4] [--same-bytes-copy]
+        [--tag _x] [--out DIR]
 
 ``--chunks 3,4`` times ours once per 16-bit chunk count a thread (kernels/_config.
 CHUNKS_PER_THREAD, patched and the kernels re-planned when it changes: ``ours_c3``,
-``ours_c4``) instead of beside the peers.  Writes DIR (default $OUT or .)/repeat_cases{tag}.json.
+``ours_c4``) instead of beside the peers.  ``--same-bytes-copy`` times, in the same rounds, a
+torch device-to-device copy moving the case's bytes (half read, half written: copy_ceiling.py's
+ceiling), so each round shows ours against a plain copy under the same flush.  Writes DIR (default $OUT or .)/repeat_cases{tag}.json.
 """
 import argparse
 import json
@@ -27,6 +30,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--cases", default=CASES, help="op:MxN,... (bfloat16)")
     ap.add_argument("--chunks", default="", help="16-bit chunk counts to time ours at")
+    ap.add_argument("--same-bytes-copy", action="store_true",
+                    help="time a torch copy of each case's bytes in the same rounds")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
 
@@ -69,6 +74,11 @@ def main():
             print(json.dumps(dict(op=op, m=m, n=n, impl=name, check=status)), flush=True)
             if status["ok"]:
                 checked[name] = impl
+        if args.same_bytes_copy:
+            import torch
+            src = torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+            checked["copy_same_bytes"] = lambda *_, src=src, dst=dst: dst.copy_(src)
         runner._warm_up(target, checked, inputs)
         names = list(checked)
         times = {name: [] for name in names}
@@ -90,6 +100,7 @@ def main():
                                 pct_median=statistics.median(pct), pct_min=min(pct),
                                 pct_max=max(pct)))
         del inputs, reference
+        checked.clear()     # the same-bytes copy's buffers go with it
         target.free_memory()
     use_chunks(shipped[2])
     copy_after = target.copy_bandwidth()["gbps"]
