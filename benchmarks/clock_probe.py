@@ -68,10 +68,36 @@ def main():
             t = target.time(lambda: ours(*inputs))
             s1 = smi()
             row = dict(case=args.case, trial=trial, before=name, us=t["us"], us_min=t["us_min"],
+                       kernels=t["kernels"], kernels_per_call=t["kernels_per_call"],
                        us_max=t["us_max"], pct_copy=100 * nbytes / t["us"] / 1e3 / copy_gbps,
                        smi_before=s0, smi_after=s1)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    # the per-call sequence after an idle second and after torch.compile's timing (where a fast
+    # start turns slow, if it does); and with a gap between the flush and our call, host-side
+    # (synchronize after the flush) or GPU-side (a ~10 us sleep kernel, not counted)
+    from rmsnorm_hip._bench import timing
+
+    def synced():
+        torch.cuda.synchronize()
+        return ours(*inputs)
+
+    def slept():
+        torch.cuda._sleep(20000)
+        return ours(*inputs)
+
+    for label, prep, fn in (("after_idle", before["idle_1s"], lambda: ours(*inputs)),
+                            ("after_compile", before["compile_timed"], lambda: ours(*inputs)),
+                            ("sync_gap", None, synced), ("gpu_sleep_gap", None, slept),
+                            ("after_ours", before["ours_timed"], lambda: ours(*inputs))):
+        if prep:
+            prep()
+        calls = timing._split_calls(timing._profile_activities(fn, target.flush, 60),
+                                    target.flush.kernel_names)
+        seq = [round(sum(us for name, us in call if "sleep" not in name.lower()), 2)
+               for call in calls]
+        rows.append(dict(case=args.case, sequence=label, us_per_call=seq))
+        print(json.dumps(rows[-1]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"clock_probe{args.tag}.json"), "w") as f:
         json.dump(dict(copy_gbps=copy_gbps, rows=rows), f, indent=1)
