@@ -21,6 +21,8 @@ import json
 import os
 import statistics
 
+import _probe
+
 CASES = "fused:4096x4096,quant:4096x4096,bwd:8192x8192,bwd:4096x4096,bwd:1024x8192"
 
 
@@ -75,10 +77,7 @@ def main():
             if status["ok"]:
                 checked[name] = impl
         if args.same_bytes_copy:
-            import torch
-            src = torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8, device="cuda")
-            dst = torch.empty_like(src)
-            checked["copy_same_bytes"] = lambda *_, src=src, dst=dst: dst.copy_(src)
+            checked["copy_same_bytes"] = _probe.same_bytes_copy(nbytes)
         runner._warm_up(target, checked, inputs)
         names = list(checked)
         times = {name: [] for name in names}

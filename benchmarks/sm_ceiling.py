@@ -11,10 +11,10 @@ writes a chunk) when --case fused.  DIR/sm_ceiling{tag}.json.
 
     PYTHONPATH=src python3 benchmarks/sm_ceiling.py [--case quant:4096x4096] [--rounds 3]
 """
-import argparse
 import json
-import os
 import statistics
+
+import _probe
 
 SOURCE = r"""
 extern "C" __global__ void quant_flat(const uint4* __restrict__ x, uint2* __restrict__ q,
@@ -63,33 +63,30 @@ extern "C" __global__ void fused_flat(const uint4* __restrict__ x, const uint4* 
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--case", default="quant:4096x4096")
+    ap = _probe.parser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tag", default="")
     args = ap.parse_args()
 
     import cupy
     import torch
 
-    from rmsnorm_hip._bench import ops, runner, targets, timing
+    from rmsnorm_hip._bench import targets, timing
 
     target = targets.make_target("cuda")
-    op, shape = args.case.split(":")
-    m, n = runner._shape(shape)
-    spec = ops.OPS[op]
-    ours = runner._implementations(spec, "cuda", False)["ours"]
-    inputs = spec.make_inputs(target, m, n, "bfloat16", 1000)
-    nbytes = spec.bytes_moved(m, n, target.itemsize("bfloat16"))
-    module = cupy.RawModule(code=SOURCE, options=("-std=c++17",),
-                            name_expressions=None)
+    case = _probe.load_case(target, args.case)
+    m, n = case.m, case.n
+    module = cupy.RawModule(code=SOURCE, options=("-std=c++17",))
     chunks = m * n // 8
     threads = 256
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    impls = {"ours": lambda: ours(*inputs)}
-    if op == "quant":
-        x = cupy.asarray(torch.randn(m, n, device="cuda", dtype=torch.bfloat16).view(torch.int32))
+    impls = {"ours": case.run}
+
+    def bf16_words():
+        return cupy.asarray(torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+                            .view(torch.int32))
+
+    if case.op == "quant":
+        x = bf16_words()
         q = cupy.empty(m * n // 4, dtype=cupy.int32)
         flat = module.get_function("quant_flat")
         impls["sm_flat"] = lambda: flat(((chunks + threads - 1) // threads,), (threads,),
@@ -101,15 +98,11 @@ def main():
                     lambda kernel=kernel, per_sm=per_sm: kernel(
                         (sms * per_sm,), (threads,), (x, q, cupy.int64(chunks))))
     else:
-        mk = lambda: cupy.asarray(torch.randn(m, n, device="cuda",  # noqa: E731
-                                              dtype=torch.bfloat16).view(torch.int32))
-        x, r, y, ro = mk(), mk(), mk(), mk()
+        x, r, y, ro = bf16_words(), bf16_words(), bf16_words(), bf16_words()
         flat = module.get_function("fused_flat")
         impls["sm_flat"] = lambda: flat(((chunks + threads - 1) // threads,), (threads,),
                                         (x, r, y, ro, cupy.int64(chunks)))
-    src = torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    impls["copy_same_bytes"] = lambda: dst.copy_(src)
+    impls["copy_same_bytes"] = _probe.same_bytes_copy(case.nbytes)
     copy_gbps = target.copy_bandwidth()["gbps"]
     flushes = {"write": timing.L2Flush("write"), "read": timing.L2Flush("read")}
     rows = []
@@ -121,7 +114,7 @@ def main():
                 t = timing.cuda_device_time(fn, flush)
                 row = dict(case=args.case, round=rnd, flush=mode, impl=name, us=t["us"],
                            us_min=t["us_min"], kernels_per_call=t["kernels_per_call"],
-                           pct_copy=100 * nbytes / t["us"] / 1e3 / copy_gbps)
+                           pct_copy=case.pct_of(t["us"], copy_gbps))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary = {}
@@ -131,9 +124,7 @@ def main():
     for (mode, name), pcts in summary.items():
         print(f"  {mode:5s} {name:18s} {statistics.median(pcts):6.1f}  "
               f"[{min(pcts):.1f}, {max(pcts):.1f}]")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"sm_ceiling{args.tag}.json"), "w") as f:
-        json.dump(dict(copy_gbps=copy_gbps, rows=rows), f, indent=1)
+    _probe.write(args.out, "sm_ceiling", args.tag, copy_gbps=copy_gbps, rows=rows)
 
 
 if __name__ == "__main__":
