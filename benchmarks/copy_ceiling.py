@@ -28,12 +28,13 @@ def main():
     ap.add_argument("--shapes", default="", help="MxN,... (default: SHAPES)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
-    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-              if args.shapes else SHAPES)
 
     import torch
 
     from rmsnorm_hip._bench import timing
+    from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
+
+    shapes = [_shape(s) for s in args.shapes.split(",")] if args.shapes else SHAPES
 
     copy = timing.cuda_copy_bandwidth()["gbps"]
     rows = []

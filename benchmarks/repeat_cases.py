@@ -14,7 +14,8 @@ summary per (case, impl): median, min and max of the rounds, in us and % of the 
 CHUNKS_PER_THREAD, patched and the kernels re-planned when it changes: ``ours_c3``,
 ``ours_c4``) instead of beside the peers.  ``--same-bytes-copy`` times, in the same rounds, a
 torch device-to-device copy moving the case's bytes (half read, half written: copy_ceiling.py's
-ceiling), so each round shows ours against a plain copy under the same flush.  Writes DIR (default $OUT or .)/repeat_cases{tag}.json.
+ceiling), so each round shows ours against a plain copy under the same flush.  Writes DIR
+(default $OUT or .)/repeat_cases{tag}.json.
 """
 import argparse
 import json
