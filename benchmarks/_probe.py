@@ -43,7 +43,8 @@ def load_case(target, case, peers=False):
     op, shape = case.split(":")
     m, n = runner._shape(shape)
     spec = ops.OPS[op]
-    return Case(name=case, op=op, m=m, n=n, spec=spec, impls=runner._implementations(spec, "cuda", peers),
+    return Case(name=case, op=op, m=m, n=n, spec=spec,
+                impls=runner._implementations(spec, "cuda", peers),
                 inputs=spec.make_inputs(target, m, n, "bfloat16", 1000),
                 nbytes=spec.bytes_moved(m, n, target.itemsize("bfloat16")))
 

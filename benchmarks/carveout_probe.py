@@ -7,7 +7,8 @@ ours (CUPTI, write flush, median of 20) after a matmul burn, after torch.compile
 after an idle second, with the occupancy the driver reports for the kernel.
 DIR/carveout_probe{tag}.json.
 
-    PYTHONPATH=src python3 benchmarks/carveout_probe.py [--case quant:4096x4096] [--carveouts -1,0,100]
+    PYTHONPATH=src python3 benchmarks/carveout_probe.py [--case quant:4096x4096]
+        [--carveouts -1,0,100]
 """
 import json
 import time
