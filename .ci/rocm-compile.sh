@@ -43,7 +43,9 @@ mkdir -p "$WORK/out"
 tar -C "$REPO" --exclude=__pycache__ -cf - src | tar -C "$WORK" -xf -
 
 status=0
-chroot "$ROOT" /usr/bin/env -i "PYTHONPATH=/work/$name/src" /opt/rmsnorm-hip/run \
+# a kernel cache of this run's own: every variant is compiled, none is read from an earlier run
+chroot "$ROOT" /usr/bin/env -i "PYTHONPATH=/work/$name/src" \
+    "RMSNORM_HIP_CACHE_DIR=/work/$name/cache" /opt/rmsnorm-hip/run \
     python -m rmsnorm_hip.aot --target hip --arch gfx942 --arch gfx950 \
     --report "/work/$name/out/amd-isa-{arch}.json" "$@" || status=$?
 

@@ -1,10 +1,10 @@
 """Backward tuning sweep on a GPU: device time per call of rms_norm_backward (CUPTI, 256 MB write
 flush before each call, a discarded warm-up timing first, as the benchmark measures it) under
 candidate settings of kernels/_config.py, patched here; a setting may be repeated with a digit
-suffix (``prefetch,no_prefetch,prefetch2``; ``_r2`` after a name ending in a digit) to see the run-to-run spread.  Prints one JSON line
+suffix (``hold_w,load_w,hold_w2``; ``_r2`` after a name ending in a digit) to see the run-to-run spread.  Prints one JSON line
 per (shape, setting) and writes them to --out (default $OUT or .)/tune_bwd.json.
 
-    PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings prefetch,no_prefetch] [--dres]
+    PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings hold_w,load_w] [--dres]
         [--shapes 4096x4096,...] [--flush write|read] [--no-weight] [--tag _suffix]
 
 Session 10 also ran ``tail`` / ``two_kernel`` (branch exp/tail-reduce) and ``p_fit`` /
@@ -40,21 +40,6 @@ import re
 SHAPES = [(32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192)]
 # name -> {_config attribute: value}
 SETTINGS = {
-    "packed": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 2},
-    "unpacked": {"BWD_PACK_16BIT": False, "BWD_BLOCKS_PER_SM": 2},
-    "packed_blocks1": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 1},
-    "packed_blocks3": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 3},
-    "prefetch": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 2, "BWD_PREFETCH": True},
-    "no_prefetch": {"BWD_PACK_16BIT": True, "BWD_BLOCKS_PER_SM": 2, "BWD_PREFETCH": False},
-    # float32 rows (--dtype float32): the packed form (and with it the prefetch) or the plain one
-    "fp32_packed": {"BWD_PACK_32BIT": True, "BWD_PREFETCH": True},
-    "fp32_plain": {"BWD_PACK_32BIT": False},
-    # dresidual (--dres): its words loaded with x / dy before the reduction, or in pass 2
-    "dres_early": {"BWD_EARLY_DRESIDUAL": True},
-    "dres_late": {"BWD_EARLY_DRESIDUAL": False},
-    # the forward's rstd of the next row loaded with its words, or in the row's own pass
-    "rstd_next": {"BWD_PREFETCH_RSTD": True},
-    "rstd_late": {"BWD_PREFETCH_RSTD": False},
     # packed 16-bit rows of 2 chunks a thread (N = 16384): the weight held for the program
     # (spills 36-56 B) or loaded with each chunk; session 13's exp/wide2 also ran ``narrow`` /
     # ``wide`` (N = 8192 as 1024 x 1 or 512 x 2 chunks, knob not merged)
@@ -130,7 +115,7 @@ SETTINGS = {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--settings", default="prefetch,no_prefetch")
+    ap.add_argument("--settings", default="hold_w,load_w")
     ap.add_argument("--dres", action="store_true", help="time the dresidual form")
     ap.add_argument("--no-weight", action="store_true",
                     help="weight=None: dx only (no weight loads, partial rows or reduction)")

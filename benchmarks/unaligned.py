@@ -4,7 +4,7 @@ timing first).  Each case runs under every --settings entry (kernels/_config att
 plans dropped) and checks its outputs bitwise against the aligned call's.
 
     PYTHONPATH=src python3 benchmarks/unaligned.py [--ops fwd,fused,quant,bwd]
-        [--shapes 4096x4096,...] [--settings shifted,elementwise] [--out DIR] [--tag _x]
+        [--shapes 4096x4096,...] [--settings shipped,scalar_packed] [--out DIR] [--tag _x]
 
 Layouts: ``aligned`` (contiguous rows of N, N % 8 == 0), ``offset`` (rows of N starting one
 element past 16 bytes: a view ``buf[:, 1:]`` of an (M, N + 1) buffer, so every row has its own
@@ -18,10 +18,6 @@ SHAPES = ["4096x4096", "32768x4096", "1024x8192"]
 # name -> {_config attribute: value}
 SETTINGS = {
     "shipped": {},
-    # the scalar kernels' chunk loads: two aligned 128-bit loads funnel-shifted, or one element at a
-    # time
-    "shifted": {"SCALAR_SHIFTED_ACCESS": True},
-    "elementwise": {"SCALAR_SHIFTED_ACCESS": False},
     # 16-bit scalar backward rows of one chunk a thread kept as words with the next row's words
     # loaded ahead (one 512-thread block per SM, 128 registers), or as floats without
     "scalar_packed": {"BWD_PACK_SCALAR_MIN_CHUNKS": {"cuda": 1, "hip": 2}},

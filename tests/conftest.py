@@ -252,7 +252,39 @@ def backend(request, use_backend):
     return request.param
 
 
+# Tiers (README, "Tests"): every test module declares one in its ``pytestmark``; a test of a
+# ``quick`` module may move itself to ``full``.  Plain ``pytest`` runs the default tier (every
+# test not marked ``full``); ``pytest --full`` (CI) runs everything.  tests/test_tiers.py fails
+# when a module declares none.
+TIERS = ("quick", "full", "device")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="run the full tier too: every kernel variant compiled, the simulator "
+                          "matrix, fuzzing (what CI runs)")
+
+
+def full_tier_except(values, quick):
+    """``values`` as pytest params of which only those ``quick(value)`` is true for run in the
+    default tier; the others are marked ``full``.  A parametrised test keeps its whole matrix in
+    CI and a representative few in the default run.  A tuple is one case of several arguments."""
+    def full(value):
+        args = value if isinstance(value, tuple) else (value,)
+        return pytest.param(*args, marks=pytest.mark.full)
+    return [value if quick(value) else full(value) for value in values]
+
+
+def in_full_tier_only(item):
+    return item.get_closest_marker("full") is not None
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--full"):
+        deselected = [item for item in items if in_full_tier_only(item)]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if not in_full_tier_only(item)]
     # RMSNORM_HIP_SHARD=i/n keeps every n-th test from the i-th (benchmarks/gpu_tier.sh runs n
     # pytest processes side by side: the GPU tier's time is kernel compilation, one core each)
     shard = os.environ.get("RMSNORM_HIP_SHARD")

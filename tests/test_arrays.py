@@ -4,7 +4,10 @@ hold, not their storage dtype."""
 import numpy as np
 import pytest
 
+import rmsnorm_hip as R_
 from rmsnorm_hip import _arrays
+
+pytestmark = pytest.mark.quick
 
 
 @pytest.mark.parametrize("dtype,typestr", [("float8_e4m3fn", "|u1"), ("bfloat16", "<u2"),
@@ -83,12 +86,13 @@ def _byte_set(a):
 
 
 def test_overlap_rule_is_the_byte_sets(rng):
-    """_validate._share_elements against the byte sets themselves: never False for arrays that
-    share a byte, and False for row slices of one buffer that interleave without sharing one
-    (same row stride), which were refused before as overlapping spans."""
+    """_validate._share_elements against the byte sets themselves: exact for arrays of rows (at
+    one row stride or two different ones), never False for arrays that share a byte otherwise.
+    Row slices of one buffer that interleave without sharing a byte were refused before as
+    overlapping spans, at the same row stride and then at different ones."""
     from rmsnorm_hip import _validate
     buf = np.zeros(4096, np.uint8)
-    cases = 0
+    cases = strides_differ = 0
     for _ in range(3000):
         period = 4 * int(rng.integers(1, 6))      # a row stride in bytes both arrays share
         views = []
@@ -119,18 +123,22 @@ def test_overlap_rule_is_the_byte_sets(rng):
         said = _validate._share_elements(info_a, info_b)
         assert said or not shared, (a.shape, a.strides, b.shape, b.strides)
         assert said == _validate._share_elements(info_b, info_a)
+        rows = None not in (_validate._row_bands(info_a), _validate._row_bands(info_b))
+        assert said == shared or not rows, (a.shape, a.strides, b.shape, b.strides)
         cases += not shared and said is False
-    assert cases > 100
+        strides_differ += not shared and rows and a.strides[:-1] != b.strides[:-1] and a.ndim > 1
+    assert cases > 100 and strides_differ > 20
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_interleaved_outputs_are_not_overlaps(rng, use_backend, dtype):
+def test_interleaved_outputs_are_not_overlaps(rng, backend, dtype):
     """Column slices of one wider matrix are separate arrays (API.md: only overlap with an input
     is an error): y written beside x, and the in-place fused add over x and residual side by
-    side, give bitwise the results of contiguous arrays; a slice one column over is refused."""
+    side, give bitwise the results of contiguous arrays; a slice one column over is refused.
+    On the simulator too, whose launches once copied each array's span in and back out (the
+    residual's copy-back then overwrote the x written beside it)."""
     import rmsnorm_hip as R
     from conftest import random_array
-    use_backend("cpu")
     m, n = 7, 40
     buf = random_array(rng, (m, 2 * n), dtype)
     w = random_array(rng, (n,), dtype)
@@ -147,6 +155,13 @@ def test_interleaved_outputs_are_not_overlaps(rng, use_backend, dtype):
     with pytest.raises(ValueError, match="residual overlaps x"):
         R.fused_add_rms_norm_(buf[:, :n], buf[:, n - 1:-1], w)
 
+    # rows of two different strides in one buffer that share no element
+    buf = random_array(rng, (16, 256), dtype)
+    x, out = buf[:4, :64], buf.reshape(8, 512)[:4, 128:192]
+    expected = R.rms_norm(x.copy())
+    assert R.rms_norm(x, None, out=out) is out
+    np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))
+
 
 @pytest.mark.parametrize("module,kind,numba_gpu", [
     ("numba.hip.hipdrv.devicearray", _arrays.ROCM, "numba.hip"),
@@ -159,3 +174,35 @@ def test_numba_device_arrays_are_on_their_own_vendor(module, kind, numba_gpu):
     cai = dict(shape=(2, 3), typestr="<f4", data=(0x1000, False), strides=None, version=3)
     assert _arrays._from_cai(fake, "cai", cai, 0, None).device == kind
     assert _arrays._numba_gpu_module(fake) == numba_gpu
+
+
+MIXED_CALLS = {
+    "rms_norm": lambda x, o, w, r: R_.rms_norm(x, w, return_rstd=True),
+    "rms_norm_out": lambda x, o, w, r: (R_.rms_norm(x, w, out=o),),
+    "fused_add_rms_norm": lambda x, o, w, r: R_.fused_add_rms_norm(x, o, w),
+    "rms_norm_quant": lambda x, o, w, r: R_.rms_norm_quant(x, w, xscale=w, residual=o),
+    "rms_norm_backward": lambda x, o, w, r: R_.rms_norm_backward(o, x, w, r, dresidual=o),
+}
+
+
+@pytest.mark.parametrize("op", list(MIXED_CALLS))
+@pytest.mark.parametrize("x_lib", ["numpy", "torch"])
+def test_arrays_of_several_libraries_in_one_call(rng, op, x_lib):
+    """Every array argument but x from another library on the same device (NumPy with torch CPU
+    tensors here; CuPy with torch on a GPU): the bits of the one-library call, and outputs in x's
+    library (out= is the array given)."""
+    torch = pytest.importorskip("torch")
+    from conftest import random_array
+    x, other = (random_array(rng, (5, 24), "float32") for _ in range(2))
+    w = random_array(rng, (24,), "float32", loc=1.0, scale=0.1)
+    rstd = R_.rms_norm(x, w, return_rstd=True)[1]
+    libs = {"numpy": lambda a: a.copy(), "torch": lambda a: torch.from_numpy(a.copy())}
+    to_x, to_other = libs[x_lib], libs["numpy" if x_lib == "torch" else "torch"]
+    same = MIXED_CALLS[op](to_x(x), to_x(other), to_x(w), to_x(rstd))
+    mixed = MIXED_CALLS[op](to_x(x), to_other(other), to_other(w), to_other(rstd))
+    kind = torch.Tensor if x_lib == "torch" else np.ndarray
+    assert len(mixed) == len(same)
+    for got, want in zip(mixed, same):
+        if op != "rms_norm_out":
+            assert isinstance(got, kind) and isinstance(want, kind), (type(got), type(want))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

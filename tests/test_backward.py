@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from conftest import (BFLOAT16, DTYPES, FLOAT32, WEIGHT_COMBOS, HostIO, assert_bitwise,
-                      assert_dweight, assert_dx, random_array)
+                      assert_dweight, assert_dx, full_tier_except, random_array)
 from rmsnorm_hip import _arrays, _cache, functional, rms_norm, rms_norm_backward
-from rmsnorm_hip.kernels import _config
+from rmsnorm_hip.kernels import _config, _rowops
 from rmsnorm_hip.reference import rms_norm_backward_ref
+
+pytestmark = pytest.mark.quick
 
 
 def run_case(rng, shape, dtype, wdtype, *, given_rstd=True, dres=False, weight_offset=0.0):
@@ -118,15 +120,20 @@ SIM_CASES = [(5, 127, "bfloat16", "bfloat16", False), (9, 128, "bfloat16", "bflo
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("m,n,dtype,wdtype,looped", SIM_CASES, ids=str)
+@pytest.mark.parametrize("m,n,dtype,wdtype,looped",
+                         full_tier_except(SIM_CASES, lambda case: case[1] <= 128), ids=str)
 def test_sim_paths(rng, use_backend, monkeypatch, m, n, dtype, wdtype, looped):
-    use_backend("sim")
+    """Every backward layout; the first call sums dweight with the reduction kernel, the others
+    with the simulator's host form of its order (SimBackend.reduce_on_host): the same bits."""
+    be = use_backend("sim")
     if looped:
         monkeypatch.setattr(_config, "BWD_MAX_CACHED_FLOATS", 2)
     layout = _config.bwd_row_layout(n, dtype)
     assert layout.cached != looped and (layout.threads > 32) == (n > 256)
     _nan_outputs(monkeypatch)
+    monkeypatch.setattr(be, "reduce_on_host", False)
     x, dy, w, rstd, dr, dx, dw = run_case(rng, (m, n), dtype, wdtype, dres=True)
+    monkeypatch.setattr(be, "reduce_on_host", True)
     dx2, dw2 = rms_norm_backward(dy, x, w, None, dresidual=dr)   # recompute rstd
     assert_dweight(dw2, rms_norm_backward_ref(dy, x, w, None, dresidual=dr)[1], wdtype)
     again = rms_norm_backward(dy, x, w, rstd, dresidual=dr)
@@ -180,35 +187,7 @@ def test_errors(rng, make, error, match):
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_sim_packed_rows_give_the_unpacked_bits(rng, use_backend, monkeypatch, dtype):
-    """x and dy kept as loaded words between the passes (the cached vector path), with
-    and without the next row's words prefetched, run the same float32 operations as the
-    float-holding form.  The simulator's grid has at most 2 programs: 5 rows take each program
-    through several rows, the last prefetch past M."""
-    be = use_backend("sim")
-    x, dy = random_array(rng, (5, 1024), dtype), random_array(rng, (5, 1024), dtype)
-    w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
-    assert _config.bwd_spec(1024, dtype, dtype, True, True, False).prefetch
-    packed = rms_norm_backward(dy, x, w)
-    assert _ran(be).prefetch
-    assert_dweight(packed[1], rms_norm_backward_ref(dy, x, w, None)[1], dtype)
-    _patch(monkeypatch, "BWD_PREFETCH", False)
-    spec = _config.bwd_spec(1024, dtype, dtype, True, True, False, stream=True)  # a small call
-    assert spec.packed and not spec.prefetch
-    unfetched = rms_norm_backward(dy, x, w)
-    assert _ran(be) == spec
-    assert_bitwise(packed[0], unfetched[0], "dx, prefetch vs not")
-    assert_bitwise(packed[1], unfetched[1], "dweight, prefetch vs not")
-    _patch(monkeypatch, "BWD_PACK_16BIT" if dtype != FLOAT32 else "BWD_PACK_32BIT", False)
-    assert not _config.bwd_spec(1024, dtype, dtype, True, True, False).packed
-    plain = rms_norm_backward(dy, x, w)
-    assert not _ran(be).packed
-    assert_bitwise(packed[0], plain[0], "dx")
-    assert_bitwise(packed[1], plain[1], "dweight")
-
-
-@pytest.mark.sim
+@pytest.mark.full
 @pytest.mark.parametrize("dtype,weight", [
     ("bfloat16", "bfloat16"), ("float32", "float32"), ("float16", "float32")])
 def test_sim_weight_loaded_per_chunk_gives_the_held_bits(rng, use_backend, monkeypatch, dtype,
@@ -373,6 +352,7 @@ def test_sim_grid_ignores_the_kernels_occupancy(use_backend, monkeypatch):
 
 
 @pytest.mark.sim
+@pytest.mark.full
 @pytest.mark.parametrize("dtype,weight,n", [("bfloat16", "bfloat16", 1000),
                                             ("float16", FLOAT32, 1000),
                                             ("bfloat16", FLOAT32, 1021)], ids=str)
@@ -433,37 +413,10 @@ def test_sim_two_chunk_rows_keep_words_in_both_forms(rng, use_backend, monkeypat
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_sim_next_rstd_gives_the_in_row_bits(rng, use_backend, monkeypatch, dtype):
-    """Prefetching rows with the forward's rstd load the next row's rstd with its words
-    (BwdSpec.prefetch_rstd) or in the row itself: the same bits.  Not with dresidual (measured
-    slower there) nor with rstd recomputed (there is none to load)."""
-    be = use_backend("sim")
-    x, dy = random_array(rng, (5, 1024), dtype), random_array(rng, (5, 1024), dtype)
-    w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
-    rstd = rms_norm(x, w, return_rstd=True)[1]
-    assert _config.bwd_spec(1024, dtype, dtype, True, False, False).prefetch_rstd
-    assert not _config.bwd_spec(1024, dtype, dtype, True, False, True).prefetch_rstd
-    assert not _config.bwd_spec(1024, dtype, dtype, True, True, False).prefetch_rstd
-    ahead = rms_norm_backward(dy, x, w, rstd)
-    ref = rms_norm_backward_ref(dy, x, w, rstd)
-    assert_dx(ahead[0], dy, x, w, rstd, ref[0], dtype)
-    assert_dweight(ahead[1], ref[1], dtype)
-    assert _ran(be).prefetch_rstd
-    _patch(monkeypatch, "BWD_PREFETCH_RSTD", False)
-    spec = _config.bwd_spec(1024, dtype, dtype, True, False, False, stream=True)  # a small call
-    assert spec.prefetch and not spec.prefetch_rstd
-    in_row = rms_norm_backward(dy, x, w, rstd)
-    assert _ran(be) == spec
-    assert_bitwise(ahead[0], in_row[0], "dx, next-row rstd vs in the row")
-    assert_bitwise(ahead[1], in_row[1], "dweight, next-row rstd vs in the row")
-
-
-@pytest.mark.sim
-@pytest.mark.parametrize("m,n,dtype,wdtype,sms", [(21, 128, BFLOAT16, BFLOAT16, 2),
-                                                  (9, 1000, FLOAT32, FLOAT32, 3),
-                                                  (3, 8192, "float16", FLOAT32, 2),
-                                                  (1, 1000, BFLOAT16, FLOAT32, 2)], ids=str)
+@pytest.mark.parametrize("m,n,dtype,wdtype,sms", full_tier_except(
+    [(21, 128, BFLOAT16, BFLOAT16, 2), (9, 1000, FLOAT32, FLOAT32, 3),
+     (3, 8192, "float16", FLOAT32, 2), (1, 1000, BFLOAT16, FLOAT32, 2)],
+    lambda case: case[1] <= 128), ids=str)
 def test_sim_early_dweight_gives_the_late_bits(rng, use_backend, monkeypatch, m, n, dtype, wdtype,
                                                sms):
     """Rows with the next row's rstd take the dweight partial's fma in pass 1 and store the
@@ -502,30 +455,8 @@ def test_sim_early_dweight_gives_the_late_bits(rng, use_backend, monkeypatch, m,
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("dtype,given_rstd", [("bfloat16", True), ("float32", False)])
-def test_sim_early_dresidual_gives_the_late_bits(rng, use_backend, monkeypatch, dtype, given_rstd):
-    """Packed rows with dresidual load its words before the row's reduction (BwdSpec.early_dres)
-    or decode it from a load in pass 2: the same bits, and both the float64 contract."""
-    be = use_backend("sim")
-    x, dy, dres = (random_array(rng, (5, 1024), dtype) for _ in range(3))
-    w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
-    rstd = rms_norm(x, w, return_rstd=True)[1] if given_rstd else None
-    assert _config.bwd_spec(1024, dtype, dtype, True, not given_rstd, True).early_dres
-    early = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
-    ref = rms_norm_backward_ref(dy, x, w, None, dresidual=dres)
-    assert_dx(early[0], dy, x, w, rms_norm(x, w, return_rstd=True)[1], ref[0], dtype)
-    assert_dweight(early[1], ref[1], dtype)
-    assert _ran(be).early_dres
-    _patch(monkeypatch, "BWD_EARLY_DRESIDUAL", False)
-    assert not _config.bwd_spec(1024, dtype, dtype, True, not given_rstd, True).early_dres
-    late = rms_norm_backward(dy, x, w, rstd, dresidual=dres)
-    assert not _ran(be).early_dres
-    assert_bitwise(early[0], late[0], "dx, early vs late dresidual")
-    assert_bitwise(early[1], late[1], "dweight, early vs late dresidual")
-
-
-@pytest.mark.sim
-@pytest.mark.parametrize("dtype,dres", [("bfloat16", True), ("float16", False)])
+@pytest.mark.parametrize("dtype,dres", full_tier_except([("bfloat16", True), ("float16", False)],
+                                                        lambda case: case[1]))
 def test_sim_stream_loads_give_the_plain_bits(rng, use_backend, monkeypatch, dtype, dres):
     """Calls of few bytes load x, dy and dresidual evict-first (BwdSpec.stream_loads,
     _config.bwd_stream_rows; 16-bit packed rows): where the lines go changes, not what is read,
@@ -546,6 +477,7 @@ def test_sim_stream_loads_give_the_plain_bits(rng, use_backend, monkeypatch, dty
 
     monkeypatch.setattr(intr, "load_b128_stream", counted)
     monkeypatch.setattr(_cache, "_kernels", {})     # kernels built now, with the counted load
+    monkeypatch.setattr(_rowops, "_helpers", {})
     hinted = rms_norm_backward(dy, x, w, rstd, dresidual=dr)
     assert _ran(be).stream_loads
     # x and dy (and dresidual) of each of the 5 rows, one 128-bit load per thread's chunk
@@ -631,6 +563,7 @@ def test_sim_dweight_reduce_keeps_its_order(rng, use_backend, wdtype, ws_rows, p
 
 
 @pytest.mark.sim
+@pytest.mark.full
 @pytest.mark.parametrize("n,wdtype,given_rstd,dres", [(4096, BFLOAT16, True, False),
                                                       (4000, FLOAT32, False, False),
                                                       (4000, FLOAT32, True, True)],
@@ -679,10 +612,10 @@ def test_sim_paired_rows(rng, use_backend, monkeypatch, n, wdtype, given_rstd, d
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("m,n,dtype,wdtype,sms", [(9, 128, BFLOAT16, FLOAT32, 4),
-                                                  (13, 4096, BFLOAT16, FLOAT32, 2),
-                                                  (5, 1000, FLOAT32, FLOAT32, 4),
-                                                  (7, 1000, "float16", "float16", 4)], ids=str)
+@pytest.mark.parametrize("m,n,dtype,wdtype,sms", full_tier_except(
+    [(9, 128, BFLOAT16, FLOAT32, 4), (13, 4096, BFLOAT16, FLOAT32, 2),
+     (5, 1000, FLOAT32, FLOAT32, 4), (7, 1000, "float16", "float16", 4)],
+    lambda case: case[1] <= 128), ids=str)
 def test_sim_atomic_dweight(rng, use_backend, monkeypatch, m, n, dtype, wdtype, sms):
     """deterministic=False: a float32 weight's dweight summed by atomics into a zeroed dweight,
     no reduction kernel (_config.bwd_atomic_dweight), on multi-row, one-row and paired (N = 4096)

@@ -10,6 +10,8 @@ import pytest
 
 from rmsnorm_hip._bench import ops, runner, table
 
+pytestmark = pytest.mark.quick
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 try:
     import torch  # noqa: F401  (the CPU mode's torch peer: API.md's `--compare torch`)

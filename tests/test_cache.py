@@ -11,6 +11,8 @@ from conftest import aligned_copy, assert_bitwise, random_array
 from rmsnorm_hip import _cache, backends, rms_norm
 from rmsnorm_hip.kernels import _config, cpu_rmsnorm
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture
 def fresh(monkeypatch):
@@ -203,7 +205,9 @@ def test_cpu_concurrent_first_calls_every_entry_point(fresh, monkeypatch, rng, o
 
     results = race(8, call)
 
-    assert len(fresh.builds) == 1 and list(fresh.builds.values()) == [1], fresh.builds
+    # one kernel per entry point (the backward's dweight sum its second)
+    assert len(fresh.builds) == (2 if op == "bwd" else 1), fresh.builds
+    assert set(fresh.builds.values()) == {1}, fresh.builds
     for x, out in results:
         i = next(k for k, d in enumerate(data) if d[0] is x)
         _, r, dy = data[i]

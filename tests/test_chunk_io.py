@@ -2,7 +2,7 @@
 intrinsics (plain Python on NumPy arrays): at every element alignment of a row, each chunk's load
 and packed-word load give the row's elements, each store writes the chunk's elements and nothing
 else, and spans inside the row go through aligned 128-bit loads and aligned stores of 4-16 bytes
-(``_config.SCALAR_SHIFTED_ACCESS``).  The row handed to the accesses is a view of exactly its
+(``_config.scalar_shifted``).  The row handed to the accesses is a view of exactly its
 elements, and the simulator's aligned accesses check their address and bounds, so a read before
 the row's start or past its end fails here."""
 from types import SimpleNamespace
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from rmsnorm_hip import intrinsics
-from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.kernels._rowops import ChunkIO
+
+pytestmark = pytest.mark.quick
 
 STORAGE = {"bfloat16": (np.uint16, ml_dtypes.bfloat16), "float16": (np.uint16, np.float16),
            "float32": (np.float32, np.float32)}
@@ -129,28 +130,23 @@ def test_two_span_chunks_at_every_alignment(extra, rng):
             assert counts.get("load_b128", 0) == blocks, (what, counts)
 
 
-def test_elementwise_when_switched_off(monkeypatch, rng):
-    """``SCALAR_SHIFTED_ACCESS = False`` keeps the scalar form element by element (the form the
-    benchmarks/unaligned.py comparison runs as its baseline)."""
-    monkeypatch.setattr(_config, "SCALAR_SHIFTED_ACCESS", False)
+def test_elementwise_when_the_kernel_asks(rng):
+    """``shifted=False`` (kernels whose registers cannot hold a span's two aligned blocks:
+    _config.scalar_shifted) keeps the scalar form element by element."""
     intr, counts = counting(intrinsics.load("sim", 32))
-    io = ChunkIO(intr, "bfloat16", 8, 64, False)
+    io = ChunkIO(intr, "bfloat16", 8, 64, False, shifted=False)
     row, _, _ = row_at("bfloat16", 64, 2, rng)
     vals = np.zeros(8, np.float32)
     io.load(row, 0, 16, vals, 0)
     io.store(row, 0, 16, vals, 0)
     assert not counts
     np.testing.assert_array_equal(vals, floats_of(row[16:24], "bfloat16"))
-    monkeypatch.setattr(_config, "SCALAR_SHIFTED_ACCESS", True)
-    io = ChunkIO(intr, "bfloat16", 8, 64, False, shifted=False)   # a kernel's choice
-    io.load(row, 0, 16, vals, 0)
-    assert not counts
 
 
 @pytest.mark.parametrize("quant,fma_levels", [("int8", False), ("int8", True),
                                               ("float8_e4m3fn", False)])
 @pytest.mark.parametrize("chunk", [8, 4])
-def test_scalar_quant_store_at_every_alignment(quant, fma_levels, chunk, monkeypatch, rng):
+def test_scalar_quant_store_at_every_alignment(quant, fma_levels, chunk, rng):
     """A quantised chunk stored at any byte offset writes the element-by-element form's levels
     (NaN, infinities and saturating values among them), only its own bytes, and whole chunks as
     words where the address is word-aligned."""
@@ -159,8 +155,7 @@ def test_scalar_quant_store_at_every_alignment(quant, fma_levels, chunk, monkeyp
     n = 4 * chunk + 3
     storage = np.int8 if quant == "int8" else np.uint8
     shifted = make_quant_store(intr, quant, chunk, n, False, fma_levels)
-    monkeypatch.setattr(_config, "SCALAR_SHIFTED_ACCESS", False)
-    elementwise = make_quant_store(intr, quant, chunk, n, False, fma_levels)
+    elementwise = make_quant_store(intr, quant, chunk, n, False, fma_levels, shifted=False)
     special = np.array([np.nan, np.inf, -np.inf, 1e30, -300.0, 0.0], np.float32)
     for offset in range(8):
         raw = np.zeros(n + 64, np.uint8)

@@ -6,6 +6,8 @@ import pytest
 
 from rmsnorm_hip import cli
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.mark.parametrize("backend,arch", [("cpu", r"\S+ \(\S+\)|\S+"), ("sim", r"sim\d+")])
 def test_info_names_backend_device_arch_and_versions(monkeypatch, capsys, backend, arch):

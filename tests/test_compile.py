@@ -1,22 +1,18 @@
-"""Ahead-of-time compilation of every kernel variant the dispatcher can launch
-(``kernels/catalog.variants()``, the set ``rmsnorm-hip compile`` builds for AMD) to sm_90 PTX, no
-GPU needed.
+"""Ahead-of-time compilation of the kernel variants the dispatcher can launch
+(``kernels/catalog.variants()``) to sm_90 PTX, no GPU needed, through ``rmsnorm-hip compile
+--target cuda``: its gates (``aot.problems``) check per variant that it compiles; that vector
+variants use 128-bit global loads (``ld.global.v4``), 128-bit stores where they store rows of x's
+width, and no byte-by-byte stores; that scalar variants whose rows move their inner spans as
+aligned blocks have those 128-bit loads; no local memory (``__local_depot``), and through ptxas
+registers and spills (none, but for ``aot.SM90_SPILL_ALLOWANCE``), named barriers of paired rows,
+evict-first loads and dweight atomics exactly where chosen.
 
-The pytest process runs numba.cuda as the simulator (tests/conftest.py), so the compilation runs
-in a subprocess with NUMBA_ENABLE_CUDASIM=0: this file run as a script (``python
-tests/test_compile.py OP DTYPE``) compiles the catalog's variants of one op and dtype and prints
-one JSON line per variant.  Checked per variant: it compiles; vector variants use 128-bit global
-loads (``ld.global.v4``), 128-bit stores (``st.global.v4``) where they store rows of x's width,
-and no byte-by-byte stores (a quantised row's chunk goes out as one 64- / 32-bit store); scalar
-variants, which run on any alignment, reach their vector accesses only through addresses rounded
-down to 16 bytes or checked at run time (kernels/_rowops.ChunkIO: tests/test_chunk_io.py checks
-every alignment, and the simulator's aligned accesses check their addresses), so their 128-bit
-loads are counted, not refused; nothing uses local memory (``__local_depot``: spills or a stack
-array).
+The default tier compiles one variant per kernel family (the LLM-sized bf16 rows); the full tier
+every variant of the catalog.  The pytest process runs numba.cuda as the simulator
+(tests/conftest.py), so the compile runs in a subprocess with NUMBA_ENABLE_CUDASIM=0.
 """
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,103 +22,62 @@ import pytest
 
 from rmsnorm_hip import intrinsics
 
-CC = (9, 0)
+pytestmark = pytest.mark.quick
+
 TESTS = Path(__file__).resolve().parent
 SRC = TESTS.parent / "src"
+FAMILIES = ("fwd", "fused_add", "quant", "bwd", "bwd_reduce")
 
 
-def shard_of(variant):
-    return variant.op, getattr(variant.spec, "dtype", "")
-
-
-def catalog_variants(shard=None):
-    """The catalog's forward variants (plain, fused add, quantised) of ``shard`` (op, dtype).
-    The backward's are left to test_catalog_backward_compiles_to_sm90, which compiles every one
-    of them once, through ptxas, with the stricter gates of ``rmsnorm-hip compile`` (the same
-    checks as here plus registers, spills, atomics and evict-first loads where chosen): compiling
-    them here as well cost CI about 25 CPU minutes for nothing new."""
+def representatives():
+    """The label of one variant per family: N = 4096 bf16 rows on the vector path where the
+    family has them (the shapes LLMs run), else its first variant."""
     from rmsnorm_hip.kernels import catalog
-    return [v for v in catalog.variants() if (shard is None or shard_of(v) == tuple(shard))
-            and not v.op.startswith("bwd")]
+    chosen = {}
+    for v in catalog.variants("cuda"):
+        main = ":bfloat16:" in v.label and ":N=4096:" in v.label and ":vec:" in v.label
+        if v.op not in chosen or (main and not chosen[v.op][1]):
+            chosen[v.op] = (v.label, main)
+    return [chosen[op][0] for op in FAMILIES]
 
 
-def shards():
-    return sorted({shard_of(v) for v in catalog_variants()})
-
-
-def compile_variants(op, dtype):
-    """Subprocess side: compile the variants of one shard, one JSON line each (or one skip
-    line)."""
-    try:
-        from numba.cuda.cudadrv import nvvm
-        nvvm.NVVM()
-    except Exception as exc:  # no libNVVM: nothing to compile with
-        print(json.dumps({"skip": f"numba-cuda's NVVM is not available: {exc}"}))
-        return
-    from rmsnorm_hip import aot, intrinsics
-    from rmsnorm_hip.backends.cuda import compile_ptx
-    intr = intrinsics.load("cuda")
-    for variant in catalog_variants((op, dtype)):
-        vector = bool(getattr(variant.spec, "vector", False))
-        record = {"label": variant.label, "vector": vector,
-                  "full_width_store": variant.full_width_store,
-                  # a scalar row with spans inside it loads them as aligned 128-bit blocks
-                  "shifted_spans": aot.shifted_spans(variant.spec)}
-        try:
-            ptx, entry = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, CC)
-        except Exception as exc:
-            record["error"] = f"{type(exc).__name__}: {exc}"
-        else:
-            record.update(
-                entry=entry,
-                target=(re.search(r"\.target\s+(\w+)", ptx) or [None, None])[1],
-                ld_v4=bool(re.search(r"\bld\.global(\.\w+)*\.v4\.", ptx)),
-                st_v4=bool(re.search(r"\bst\.global(\.\w+)*\.v4\.", ptx)),
-                st_byte=bool(re.search(r"\bst\.global(\.\w+)*\.[usb]8\b", ptx)),
-                global_vector=sorted(set(re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*\.v\d\.\w+",
-                                                    ptx))),
-                local_depot="__local_depot" in ptx)
-        print(json.dumps(record), flush=True)
+def compile_sm90(tmp_path, labels=None):
+    """``rmsnorm-hip compile --target cuda --arch sm_90`` of ``labels`` (None: the whole
+    catalog) in a subprocess: its kernel records, or a skip without libNVVM."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
+    report = tmp_path / "sm90.json"
+    only = [arg for label in labels or () for arg in ("--only", label)]
+    done = subprocess.run([sys.executable, "-m", "rmsnorm_hip", "compile", "--target", "cuda",
+                           "--arch", "sm_90", "--report", str(report), *only],
+                          env=env, capture_output=True, text=True, timeout=3000)
+    if "libnvvm" in done.stderr and done.returncode:
+        pytest.skip("numba-cuda's NVVM is not installed")
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    return json.loads(report.read_text())["reports"][0]["kernels"]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("op,dtype", shards(), ids=lambda v: str(v))
-def test_compile_every_variant(op, dtype):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), str(TESTS),
-                                                         os.environ.get("PYTHONPATH")])))
-    # a 16-bit forward shard (90 variants) takes a few minutes on CI's 2 cores
-    proc = subprocess.run([sys.executable, __file__, op, dtype], env=env, capture_output=True,
-                          text=True, timeout=2400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if records and "skip" in records[0]:
-        pytest.skip(records[0]["skip"])
+def test_one_variant_per_family_compiles_to_sm90(tmp_path):
+    labels = representatives()
+    kernels = compile_sm90(tmp_path, labels)
+    # --only matches substrings: a label may select a few more variants
+    assert set(labels) <= {k["label"] for k in kernels}
+    assert not [k for k in kernels if k["problems"]], [k for k in kernels if k["problems"]]
+    main = [k for k in kernels if k["label"] in labels and k["op"] != "bwd_reduce"]
+    assert all(k["ld_global_v4"] for k in main), main
 
-    expected = [v.label for v in catalog_variants((op, dtype))]
-    assert expected, f"no catalog variant for {op} {dtype}"
-    assert [r["label"] for r in records] == expected, proc.stderr[-4000:]
-    failures = []
-    for r in records:
-        problems = []
-        if "error" in r:
-            problems.append(r["error"])
-        else:
-            if r["target"] != f"sm_{CC[0]}{CC[1]}":
-                problems.append(f"target {r['target']}")
-            if r["vector"] and not (r["ld_v4"] and (r["st_v4"] or not r["full_width_store"])):
-                problems.append(f"vector variant without 128-bit global load/store "
-                                f"(found {r['global_vector']})")
-            if r["shifted_spans"] and not r["ld_v4"]:
-                problems.append("scalar variant without the aligned 128-bit loads of the spans "
-                                "inside its rows")
-            if r["vector"] and r["st_byte"]:
-                problems.append("vector variant stores bytes one by one")
-            if r["local_depot"]:
-                problems.append("uses local memory (__local_depot)")
-        if problems:
-            failures.append(f"{r['label']}: {'; '.join(problems)}")
-    assert not failures, "\n".join(failures)
+
+@pytest.mark.compile
+@pytest.mark.full
+def test_every_variant_compiles_to_sm90(tmp_path):
+    from rmsnorm_hip.kernels import catalog
+    kernels = compile_sm90(tmp_path)
+    expected = [v.label for v in catalog.variants("cuda")]
+    assert [k["label"] for k in kernels] == expected
+    assert sum(k.get("atomic_dweight", False) for k in kernels) > 0
+    failing = [f"{k['label']}: {'; '.join(k['problems'])}" for k in kernels if k["problems"]]
+    assert not failing, "\n".join(failing)
 
 
 def test_catalog_covers_every_forward_path():
@@ -137,32 +92,6 @@ def test_catalog_covers_every_forward_path():
             for path in ("multirow", "row", "looped"):
                 for vector in (True, False):
                     assert (op, dtype, path, vector) in seen, (op, dtype, path, vector)
-
-
-if __name__ == "__main__":
-    compile_variants(*sys.argv[1:3])
-
-
-@pytest.mark.compile
-def test_catalog_backward_compiles_to_sm90(tmp_path):
-    """Every backward variant of kernels/catalog.py (the deterministic and atomic-dweight forms
-    and the partial-row reductions) through `rmsnorm-hip compile --target cuda`: its gates
-    (aot.problems) are test_compile_every_variant's and registers, spills, named barriers,
-    evict-first loads and dweight atomics where chosen."""
-    pytest.importorskip("numba.cuda")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(SRC))
-    report = tmp_path / "sm90.json"
-    done = subprocess.run([sys.executable, "-m", "rmsnorm_hip", "compile", "--target", "cuda",
-                           "--arch", "sm_90", "--only", "bwd", "--report", str(report)],
-                          env=env, capture_output=True, text=True, timeout=2400)
-    if "libnvvm" in done.stderr and done.returncode:
-        pytest.skip("numba-cuda's NVVM is not installed")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    from rmsnorm_hip.kernels import catalog
-    kernels = json.loads(report.read_text())["reports"][0]["kernels"]
-    expected = sorted(v.label for v in catalog.variants("cuda") if v.op.startswith("bwd"))
-    assert sorted(k["label"] for k in kernels) == expected
-    assert sum(k.get("atomic_dweight", False) for k in kernels) > 0
 
 
 @pytest.mark.parametrize("shifted,ld_v4,failing", [

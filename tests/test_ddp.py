@@ -13,6 +13,8 @@ if not (torch.distributed.is_available() and torch.distributed.is_gloo_available
 
 import _ddp  # noqa: E402
 
+pytestmark = pytest.mark.full
+
 # the CI model: small enough for two processes on two cores
 CPU_MODEL = dict(vocab=128, d=64, heads=4, layers=2, batch=4, seq=32)
 

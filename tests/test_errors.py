@@ -15,6 +15,8 @@ from conftest import assert_bitwise, random_array
 from rmsnorm_hip import (_arrays, backends, fused_add_rms_norm, fused_add_rms_norm_, rms_norm,
                          rms_norm_backward, rms_norm_quant)
 
+pytestmark = pytest.mark.quick
+
 try:
     import torch
 except ImportError:
@@ -337,6 +339,21 @@ CASES += [
          r"rms_norm: eps must be a float, got bool"),
     Case("eps_numpy_nan", lambda r: ((f32(r), None, np.float32("nan")), {}), ValueError,
          r"rms_norm: eps must be a finite number >= 0, got nan"),
+    # float32 is where the kernels compute: a scalar it cannot hold is refused, not rounded to
+    # infinity (which gave all-zero outputs)
+    Case("eps_past_float32", lambda r: ((f32(r), None, 1e39), {}), ValueError,
+         r"rms_norm: eps must be a finite number >= 0, got 1e\+39 \(float32.*3\.4e38\)"),
+    Case("eps_huge_int", lambda r: ((f32(r), None, 10**400), {}), ValueError,
+         r"rms_norm: eps must be a finite number >= 0, got 1000.*\(401 digits\)"),
+    Case("eps_numpy_bool", lambda r: ((f32(r), None, np.bool_(True)), {}), TypeError,
+         r"rms_norm: eps must be a float, got bool"),
+    Case("eps_numpy_complex", lambda r: ((f32(r), None, np.complex128(1e-6)), {}), TypeError,
+         r"rms_norm: eps must be a float, got complex128"),
+    Case("weight_offset_past_float32", lambda r: ((f32(r), f32(r, (N,))),
+                                                  dict(weight_offset=-1e39)),
+         ValueError, r"rms_norm: weight_offset must be finite, got -1e\+39 \(float32"),
+    Case("weight_offset_bool", lambda r: ((f32(r), f32(r, (N,))), dict(weight_offset=True)),
+         TypeError, r"rms_norm: weight_offset must be a float, got bool"),
     Case("weight_offset_str", lambda r: ((f32(r), f32(r, (N,))), dict(weight_offset="1")),
          TypeError, r"rms_norm: weight_offset must be a float, got str"),
     Case("weight_offset_inf", lambda r: ((f32(r), f32(r, (N,))), dict(weight_offset=-np.inf)),
@@ -361,15 +378,6 @@ CASES += [
                                                          out=f32(r).astype(np.float16))),
          TypeError, r"rms_norm: out must have dtype bfloat16, got float16"),
     # other libraries and devices
-    Case("weight_torch_for_numpy_x", lambda r: ((f32(r), t32(r, (N,))), {}), ValueError,
-         r"rms_norm: weight must come from the same array library as x \(numpy\), got torch",
-         marks=needs_torch),
-    Case("weight_numpy_for_torch_x", lambda r: ((t32(r), f32(r, (N,))), {}), ValueError,
-         r"rms_norm: weight must come from the same array library as x \(torch\), got numpy",
-         marks=needs_torch),
-    Case("out_torch_for_numpy_x", lambda r: ((f32(r),), dict(out=t32(r))), ValueError,
-         r"rms_norm: out must come from the same array library as x \(numpy\), got torch",
-         marks=needs_torch),
     Case("x_torch_float64", lambda r: ((t32(r).double(),), {}), TypeError,
          r"rms_norm: x must have dtype float32, float16 or bfloat16, got float64",
          marks=needs_torch),
@@ -382,7 +390,7 @@ CASES += [
     Case("x_dlpack_unknown_device", lambda r: ((DLPackOnly(),), {}), ValueError,
          r"rms_norm: x must be on a CPU, CUDA or ROCm device .*got DLPack device type 14"),
     Case("weight_device_for_numpy_x", lambda r: ((f32(r), dev((N,))), {}), ValueError,
-         r"rms_norm: weight must come from the same array library as x \(numpy\), got cai"),
+         r"rms_norm: weight must be on the same device as x \(cpu\), got cuda:0"),
     Case("weight_on_other_gpu", lambda r: ((dev(), dev((N,), 1)), {}), ValueError,
          r"rms_norm: weight " + OTHER_DEVICE),
     Case("out_on_other_gpu", lambda r: ((dev(),), dict(out=dev(device=1))), ValueError,
@@ -423,9 +431,6 @@ CASES += [
          r"fused_add_rms_norm: eps must be a finite number >= 0, got nan", fn=FA),
     Case("fused_return_rstd_int", lambda r: ((f32(r), f32(r)), dict(return_rstd=1)), TypeError,
          r"fused_add_rms_norm: return_rstd must be a bool, got int", fn=FA),
-    Case("fused_residual_torch", lambda r: ((f32(r), t32(r)), {}), ValueError,
-         r"fused_add_rms_norm: residual must come from the same array library as x \(numpy\), "
-         r"got torch", fn=FA, marks=needs_torch),
     Case("fused_residual_on_other_gpu", lambda r: ((dev(), dev(device=1)), {}), ValueError,
          r"fused_add_rms_norm: residual " + OTHER_DEVICE, fn=FA),
     Case("in_place_residual_none", lambda r: ((f32(r), None), {}), TypeError,
@@ -438,9 +443,6 @@ CASES += [
     Case("in_place_weight_offset_nan", lambda r: ((f32(r), f32(r), f32(r, (N,))),
                                                   dict(weight_offset=float("nan"))),
          ValueError, r"fused_add_rms_norm_: weight_offset must be finite, got nan", fn=FI),
-    Case("in_place_residual_torch", lambda r: ((t32(r), f32(r)), {}), ValueError,
-         r"fused_add_rms_norm_: residual must come from the same array library as x \(torch\), "
-         r"got numpy", fn=FI, marks=needs_torch),
     Case("in_place_backend_cuda_numpy", lambda r: ((f32(r), f32(r)), {}), ValueError,
          r"fused_add_rms_norm_: RMSNORM_HIP_BACKEND=cuda needs device arrays",
          env={"RMSNORM_HIP_BACKEND": "cuda"}, fn=FI),
@@ -466,17 +468,11 @@ CASES += [
          fn=RQ),
     Case("xscale_2d", lambda r: ((f32(r),), dict(xscale=f32(r, (1, N)))), ValueError,
          r"rms_norm_quant: xscale must have shape \(8,\), got \(1, 8\)", fn=RQ),
-    Case("xscale_torch", lambda r: ((f32(r),), dict(xscale=torch.ones(N))), ValueError,
-         r"rms_norm_quant: xscale must come from the same array library as x \(numpy\), "
-         r"got torch", fn=RQ, marks=needs_torch),
     Case("xscale_on_other_gpu", lambda r: ((dev(),), dict(xscale=dev((N,), 1))), ValueError,
          r"rms_norm_quant: xscale " + OTHER_DEVICE, fn=RQ),
     Case("quant_residual_negative_stride", lambda r: ((f32(r),), dict(residual=f32(r)[::-1])),
          ValueError, r"rms_norm_quant: residual row stride must be >= .*got strides \(-8, 1\)",
          fn=RQ),
-    Case("quant_residual_torch", lambda r: ((f32(r),), dict(residual=t32(r))), ValueError,
-         r"rms_norm_quant: residual must come from the same array library as x \(numpy\), "
-         r"got torch", fn=RQ, marks=needs_torch),
     Case("quant_eps_negative", lambda r: ((f32(r), None, -1e-3), {}), ValueError,
          r"rms_norm_quant: eps must be a finite number >= 0, got -0.001", fn=RQ),
     Case("quant_offset_without_weight", lambda r: ((f32(r),), dict(weight_offset=0.5)),
@@ -515,9 +511,6 @@ CASES += [
     Case("bwd_dy_negative_row_stride", lambda r: ((f32(r)[::-1], f32(r)), {}), ValueError,
          r"rms_norm_backward: dy row stride must be >= its last dimension 8.*got strides "
          r"\(-8, 1\)", fn=BW),
-    Case("bwd_dy_torch", lambda r: ((t32(r), f32(r)), {}), ValueError,
-         r"rms_norm_backward: dy must come from the same array library as x \(numpy\), "
-         r"got torch", fn=BW, marks=needs_torch),
     Case("bwd_dy_on_other_gpu", lambda r: ((dev(device=1), dev()), {}), ValueError,
          r"rms_norm_backward: dy " + OTHER_DEVICE, fn=BW),
     Case("bwd_weight_shape", lambda r: ((f32(r), f32(r), f32(r, (N + 1,))), {}), ValueError,
@@ -541,9 +534,6 @@ CASES += [
     Case("bwd_rstd_list", lambda r: ((f32(r), f32(r), None, [1.0] * M), {}), TypeError,
          r"rms_norm_backward: rstd must be a NumPy, CuPy or torch array.*got builtins\.list",
          fn=BW),
-    Case("bwd_rstd_torch", lambda r: ((f32(r), f32(r), None, torch.ones(M)), {}), ValueError,
-         r"rms_norm_backward: rstd must come from the same array library as x \(numpy\), "
-         r"got torch", fn=BW, marks=needs_torch),
     Case("bwd_rstd_on_other_gpu", lambda r: ((dev(), dev(), None, dev((M,), 1)), {}),
          ValueError, r"rms_norm_backward: rstd " + OTHER_DEVICE, fn=BW),
     Case("bwd_dresidual_dtype", lambda r: ((f32(r), f32(r)), dict(dresidual=bf16(r))), TypeError,

@@ -12,6 +12,8 @@ from rmsnorm_hip import fused_add_rms_norm, fused_add_rms_norm_, rms_norm
 from rmsnorm_hip.backends import cpu as cpu_backend
 from rmsnorm_hip.reference import fused_add_rms_norm_ref, rms_norm_ref
 
+pytestmark = pytest.mark.quick
+
 
 def make_pair(rng, shape, dtype, wdtype, row_scales=True):
     """x, residual (rows of both scaled alike, so that x + residual rounds somewhere) and weight."""
@@ -217,7 +219,8 @@ def test_empty_batch(dtype):
 INVARIANCE_CASES = (
     [pytest.param("cpu", d, (333, n), id=f"cpu-{d}-N{n}") for d in DTYPES for n in (127, 4097)]
     + [pytest.param("cpu", "bfloat16", (33, 65537), id="cpu-bfloat16-N65537-parallel")]
-    + [pytest.param("sim", d, (9, n), id=f"sim-{d}-N{n}", marks=pytest.mark.sim)
+    + [pytest.param("sim", d, (9, n), id=f"sim-{d}-N{n}",
+                    marks=[pytest.mark.sim] + ([pytest.mark.full] if n > 24 else []))
        for d, n in (("float32", 24), ("bfloat16", 1000))]
 )
 

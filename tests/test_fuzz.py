@@ -18,6 +18,8 @@ import pytest
 from _fuzz import OPS, NumpyLib, Sizes, cases, check_case
 from hypothesis import HealthCheck, given, seed, settings
 
+pytestmark = pytest.mark.full
+
 SCALE = float(os.environ.get("RMSNORM_HIP_FUZZ_SCALE", "1"))
 SEED = os.environ.get("RMSNORM_HIP_FUZZ_SEED")
 

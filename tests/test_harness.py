@@ -7,6 +7,8 @@ from conftest import (BFLOAT16, DTYPES, FLOAT16, FLOAT32, NUMPY, aligned_empty, 
 
 from rmsnorm_hip.reference import rms_norm_ref
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.mark.parametrize("dtype", [FLOAT16, BFLOAT16])
 def test_assert_close_ulp_bound(rng, dtype):

@@ -10,6 +10,8 @@ import pytest
 
 from rmsnorm_hip import intrinsics
 
+pytestmark = pytest.mark.quick
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 ALL_16BIT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)

@@ -11,6 +11,8 @@ import pytest
 
 from rmsnorm_hip.backends.cuda import CudaBackend
 
+pytestmark = pytest.mark.quick
+
 OWN, OTHER = 0x1000, 0x2000
 
 

@@ -7,6 +7,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
 DONE = "quickstart: every check passed"
 

@@ -15,6 +15,8 @@ from rmsnorm_hip import fused_add_rms_norm, rms_norm_quant
 from rmsnorm_hip.backends import cpu as cpu_backend
 from rmsnorm_hip.reference import rms_norm_quant_ref
 
+pytestmark = pytest.mark.quick
+
 QMAX = {"int8": 127, "float8_e4m3fn": 448}
 # what a call adds to x and weight: SmoothQuant scale (float32 or x's dtype), fused residual
 KINDS = {
@@ -144,6 +146,25 @@ def test_levels_reach_qmax_and_saturate(rng, quant_dtype):
 
 
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
+def test_subnormal_yscale(rng, backend, quant_dtype):
+    """Gains small enough that yscale is subnormal (xscale 1e-39): 1 / yscale overflows float32,
+    so q = rne(y / yscale) is divided out (it once saturated every element to +-QMAX)."""
+    x = random_array(rng, (3, 64), FLOAT32)
+    xscale = np.full(64, 1e-39, np.float32)
+    q, yscale = rms_norm_quant(x, xscale=xscale, quant_dtype=quant_dtype)
+    assert np.all(yscale < np.finfo(np.float32).tiny) and np.all(yscale > 0)
+    levels = quant_levels(q, quant_dtype)
+    top = quant_levels(np.array([QMAX[quant_dtype]]), quant_dtype)[0]
+    assert np.mean(np.abs(levels) == top) < 0.1, "levels saturated"
+    # float32 holds a subnormal yscale to a spacing of 2**-149: q is checked against y_ref over
+    # the yscale the kernel wrote, yscale against its reference within that spacing
+    q_ref, yscale_ref = rms_norm_quant_ref(x, None, xscale=xscale, quant_dtype=quant_dtype)[:2]
+    assert np.all(np.abs(yscale - yscale_ref) <= 1e-5 * yscale_ref + 2.0 ** -149)
+    assert_quant_close(q, yscale, q_ref * yscale_ref[:, None] / yscale[:, None], yscale,
+                       quant_dtype)
+
+
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES)
 def test_residual_variant_is_quant_of_residual_out(rng, quant_dtype):
     """With a residual, q and yscale are bitwise those of rms_norm_quant(residual_out), and
     residual_out is bitwise fused_add_rms_norm's."""
@@ -196,7 +217,7 @@ INVARIANCE_CASES = (
      for q, d, kind in (("int8", "float32", "residual_xscale"), ("float8_e4m3fn", "float16",
                         "xscale_x"), ("int8", "bfloat16", "plain"))]
     + [pytest.param("sim", q, "float16", (9, 1000), "residual_xscale", id=f"sim-{q}",
-                    marks=pytest.mark.sim) for q in QUANT_DTYPES]
+                    marks=[pytest.mark.sim, pytest.mark.full]) for q in QUANT_DTYPES]
 )
 
 

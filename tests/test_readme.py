@@ -2,6 +2,9 @@
 import importlib.util
 import pathlib
 import re
+import pytest
+
+pytestmark = pytest.mark.quick
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 

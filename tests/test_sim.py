@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 from _paths import path_of, pick_n, takes
 from conftest import (BFLOAT16, DTYPES, FLOAT16, FLOAT32, NUMPY, WEIGHT_COMBOS, aligned_copy,
-                      aligned_empty, assert_bitwise, assert_close, random_array)
+                      aligned_empty, assert_bitwise, assert_close, full_tier_except,
+                      random_array)
 
 from rmsnorm_hip import _cache, backends, rms_norm
 from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.reference import rms_norm_ref
 
-pytestmark = pytest.mark.sim
+pytestmark = [pytest.mark.quick, pytest.mark.sim]
 
 
 @pytest.fixture
@@ -158,7 +159,15 @@ def check_case(be, rng, case):
             assert_bitwise(rstd_s, rstd, "scalar twin vs vector rstd")
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+# the default tier's representatives: a row per thread, several warps per row, one cached row per
+# block, a looped row; the full tier runs every case
+QUICK = {"multirow_1thread-vec-bfloat16-w_bfloat16",
+         "multirow_warps-vec-bfloat16-w_bfloat16-offset1.0", "row-vec-bfloat16-w_float32",
+         "looped-vec-float32-w_none"}
+
+
+@pytest.mark.parametrize("case", full_tier_except(CASES, lambda c: c.id in QUICK),
+                         ids=lambda c: c.id)
 def test_sim_path(sim, rng, case):
     check_case(sim(32), rng, case)
 
@@ -184,7 +193,7 @@ DISALIGN = {
 }
 
 
-@pytest.mark.parametrize("what", list(DISALIGN))
+@pytest.mark.parametrize("what", full_tier_except(list(DISALIGN), lambda w: w == "x_start"))
 def test_sim_alignment_and_strides(sim, rng, what):
     """bf16, several warps per row, rows over two blocks: row-strided x and out (pads of 8
     elements keep 16-byte alignment, 3 break it) and unaligned row starts give bitwise the
@@ -219,7 +228,8 @@ WARP64_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", WARP64_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", full_tier_except(WARP64_CASES, lambda c: c is WARP64_CASES[0]),
+                         ids=lambda c: c.id)
 def test_sim_warp64(sim, rng, case):
     """The AMD wavefront width: butterflies over 64 lanes and cross-wavefront row sums."""
     be = sim(64)

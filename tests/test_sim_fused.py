@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from _paths import layout_of, path_of, pick_n, takes
 from conftest import (BFLOAT16, FLOAT16, FLOAT32, NUMPY, HostIO, aligned_copy, assert_bitwise,
-                      assert_close, assert_quant_close, random_array)
+                      assert_close, assert_quant_close, full_tier_except, random_array)
 from test_sim import launched_specs, sim  # noqa: F401  (sim is a fixture)
 
 from rmsnorm_hip import _cache, fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
 from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.reference import fused_add_rms_norm_ref, rms_norm_quant_ref
 
-pytestmark = pytest.mark.sim
+pytestmark = [pytest.mark.quick, pytest.mark.sim]
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,15 @@ def check_case(be, rng, case):
             assert_bitwise(a, b, f"scalar twin vs vector, output {i}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+# the default tier's representatives: the fused add in place, quantised int8 with residual and
+# SmoothQuant, fp8 on one cached row per block; the full tier runs every case
+QUICK = {"fused-multirow_1thread-vec-bfloat16-w_bfloat16-in_place",
+         "quant_int8-multirow_warps-vec-bfloat16-w_float32-res-xs_bfloat16",
+         "quant_float8_e4m3fn-row-vec-float16-w_float16-xs_float32"}
+
+
+@pytest.mark.parametrize("case", full_tier_except(CASES, lambda c: c.id in QUICK),
+                         ids=lambda c: c.id)
 def test_sim_fused_path(sim, rng, case):  # noqa: F811
     check_case(sim(32), rng, case)
 
@@ -173,6 +181,7 @@ WARP64_CASES = [
 ]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", WARP64_CASES, ids=lambda c: c.id)
 def test_sim_fused_warp64(sim, rng, case):  # noqa: F811
     """The AMD wavefront width: both row reductions (sum, max) over 64 lanes and wavefronts."""
@@ -181,7 +190,8 @@ def test_sim_fused_warp64(sim, rng, case):  # noqa: F811
     assert any("sim64" in key for key in _cache.entries())
 
 
-@pytest.mark.parametrize("quant,offset", [(None, 1.0), ("int8", 0.0), ("float8_e4m3fn", 0.5)])
+@pytest.mark.parametrize("quant,offset", full_tier_except(
+    [(None, 1.0), ("int8", 0.0), ("float8_e4m3fn", 0.5)], lambda case: case[0] == "int8"))
 def test_sim_fused_runner_gives_the_validated_bits(sim, rng, quant, offset):  # noqa: F811
     """The fused forward's repeat-call runner (GpuBackend.fused_runner) run by the simulator:
     the validated call's bits for the fused add (with rstd) and SmoothQuant with a residual,

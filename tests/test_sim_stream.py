@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from _paths import layout_of, pick_n
 from conftest import (BFLOAT16, FLOAT16, FLOAT32, aligned_copy, assert_bitwise, assert_close,
-                      assert_quant_close, random_array)
+                      assert_quant_close, full_tier_except, random_array)
 from test_sim import launched_specs, sim  # noqa: F401  (sim is a fixture)
 
 from rmsnorm_hip import fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
 from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.reference import fused_add_rms_norm_ref, rms_norm_quant_ref, rms_norm_ref
 
-pytestmark = pytest.mark.sim
+pytestmark = [pytest.mark.quick, pytest.mark.sim]
 
 OPS = ("rms_norm", "fused_add", "fused_add_", "quant_int8", "quant_int8_xscale_only",
        "quant_fp8_residual")
@@ -42,27 +42,29 @@ def _call(op, x, res, w, xs, offset):
                           weight_offset=offset)
 
 
-def _run(be, op, inputs, stream, monkeypatch, held=True):
+def _run(be, op, inputs, stream, monkeypatch):
     every_m = dict.fromkeys(_config.FWD_STREAM_ROWS_PER_SM["cuda"], None if stream else 0)
     monkeypatch.setattr(_config, "FWD_STREAM_ROWS_PER_SM", {"cuda": every_m, "hip": every_m})
-    monkeypatch.setattr(_config, "FWD_STREAM_HELD_WEIGHTS", held)
     with launched_specs(be) as specs:
         out = _call(op, *inputs)
     assert len(specs) == 1 and specs[0].stream == stream, specs
-    assert specs[0].held_weights == (held and stream and op.startswith("quant")), specs
+    # quantised rows stream holding their gains (FwdSpec.held_weights, rows past M weighed too)
+    assert specs[0].held_weights == (stream and op.startswith("quant")), specs
     return out, specs[0]
 
 
 FLAVORS = [("row", 3), ("row", 4), ("multirow_warps", 3)]
-# quantised rows stream holding their gains (FwdSpec.held_weights, rows past M weighed too) and,
-# with that switched off, loading their weight and xscale in each live row
-CASES = ([(op, True, flavor, rows) for op in OPS for flavor, rows in FLAVORS]
-         + [(op, False, flavor, rows) for op in OPS if op.startswith("quant")
-            for flavor, rows in FLAVORS[1:]])
+CASES = [(op, flavor, rows) for op in OPS for flavor, rows in FLAVORS]
 
 
-@pytest.mark.parametrize("op,held,flavor,rows_per_program", CASES, ids=lambda v: str(v))
-def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, held, flavor,
+# the default tier's representatives; the full tier runs every op on every flavor
+QUICK = {("rms_norm", "row", 3), ("quant_int8", "multirow_warps", 3),
+         ("fused_add_", "multirow_warps", 3)}
+
+
+@pytest.mark.parametrize("op,flavor,rows_per_program", full_tier_except(CASES, QUICK.__contains__),
+                         ids=lambda v: str(v))
+def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, flavor,
                                                   rows_per_program):  # noqa: F811
     be = sim()
     quant = op.startswith("quant")
@@ -80,7 +82,7 @@ def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, hel
     inputs = (x, res, w, xs, offset)
     x0, res0 = x.copy(), res.copy()
 
-    streamed, spec = _run(be, op, inputs, True, monkeypatch, held)
+    streamed, spec = _run(be, op, inputs, True, monkeypatch)
     one_shot, spec1 = _run(be, op, inputs, False, monkeypatch)
 
     assert spec.vector and spec.layout == spec1.layout and spec.rows == rows, spec

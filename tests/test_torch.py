@@ -19,6 +19,8 @@ import rmsnorm_hip  # noqa: E402
 from rmsnorm_hip import reference  # noqa: E402
 from rmsnorm_hip import torch as rt  # noqa: E402
 
+pytestmark = pytest.mark.quick
+
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 F32_EPS = torch.finfo(torch.float32).eps
 # odd N (ragged rows) and leading dims
@@ -606,3 +608,73 @@ def test_compile_fullgraph_dynamic_batch_bitwise_eager():
     assert counter.frame_count == 1, f"compiled {counter.frame_count} times over 3 batch sizes"
     explain = torch._dynamo.explain(block)(x, r)
     assert explain.graph_break_count == 0 and explain.graph_count == 1
+
+
+# ---- the array API on torch tensors: storage dtypes, lazy views, version counters ----------
+ENTRY_POINTS = {
+    "rms_norm": lambda x, w, **k: (rmsnorm_hip.rms_norm(x, w, return_rstd=True, **k),),
+    "fused_add_rms_norm": lambda x, w, **k: rmsnorm_hip.fused_add_rms_norm(x, x, w, **k),
+    "rms_norm_backward": lambda x, w, **k: rmsnorm_hip.rms_norm_backward(x, x, w, **k),
+    "rms_norm_quant": lambda x, w, **k: rmsnorm_hip.rms_norm_quant(x, w, residual=x, **k),
+}
+
+
+def _flat(outputs):
+    for out in outputs:
+        yield from (_flat(out) if isinstance(out, tuple) else [out])
+
+
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", list(ENTRY_POINTS))
+def test_uint16_storage_in_is_uint16_out(op, half):
+    """torch uint16 read as a 16-bit float with dtype=: every 16-bit output comes back as uint16
+    (storage in, storage out), with the bits of the call on the native dtype."""
+    x = randn((3, 40), half, 1)
+    w = randn(40, half, 2, loc=1.0, scale=0.1)
+    native = list(_flat(ENTRY_POINTS[op](x, w)))
+    bits = list(_flat(ENTRY_POINTS[op](x.view(torch.uint16), w.view(torch.uint16), dtype=half)))
+    assert len(bits) == len(native)
+    for got, want in zip(bits, native):
+        if want.dtype == TORCH[half]:
+            assert got.dtype == torch.uint16, (op, got.dtype)
+            assert torch.equal(got, want.view(torch.uint16))
+        else:                                   # float32 statistics, int8 levels
+            assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arg", ["x", "weight", "out"])
+@pytest.mark.parametrize("view", ["neg", "conj_imag"])
+def test_views_with_the_negative_bit_are_refused(arg, view):
+    """A lazily negated view's memory holds the values without their sign: reading it would
+    drop the sign, so it is refused with a ValueError naming the argument."""
+    x, w, out = randn((3, 8), "float32", 1), randn(8, "float32", 2), torch.empty(3, 8)
+    args = dict(x=x, weight=w, out=out)
+    if view == "neg":
+        args[arg] = torch._neg_view(args[arg])
+    else:
+        args[arg] = torch.complex(torch.zeros_like(args[arg]), args[arg]).conj().imag
+        assert args[arg].is_neg()
+    with pytest.raises(ValueError, match=f"rms_norm: {arg} is a torch view with the negative"):
+        rmsnorm_hip.rms_norm(args["x"], args["weight"], out=args["out"])
+
+
+@pytest.mark.parametrize("call", ["fused_add_rms_norm_", "rms_norm_out_x", "rms_norm_out"])
+def test_in_place_calls_bump_the_version_counter(call):
+    """Arrays written in place step torch's version counter, so autograd refuses a backward
+    that would read a saved tensor since overwritten, rather than return a wrong gradient."""
+    a = torch.randn(3, 16, requires_grad=True)
+    h = a * 2
+    loss = h.sin().sum()                        # saves h for its backward
+    x, r, w = h.detach(), torch.randn(3, 16), torch.ones(16)
+    before = (x._version, r._version)
+    if call == "fused_add_rms_norm_":
+        rmsnorm_hip.fused_add_rms_norm_(x, r, w)
+        assert (x._version, r._version) == (before[0] + 1, before[1] + 1)
+    elif call == "rms_norm_out_x":
+        rmsnorm_hip.rms_norm(x, w, out=x)
+        assert x._version == before[0] + 1
+    else:
+        rmsnorm_hip.rms_norm(r, w, out=x)
+        assert x._version == before[0] + 1 and r._version == before[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

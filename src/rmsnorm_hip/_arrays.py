@@ -33,6 +33,7 @@ class ArrayInfo:
     wrap: object = None     # turns a finished output into the caller's library (DLPack callers)
     readonly: bool = False
     numpy: np.ndarray = None  # host memory as the caller's NumPy dtype sees it
+    bits16: bool = False    # a 16-bit float passed as uint16 storage with dtype=: outputs alike
 
     def result(self):
         return self.wrap(self.obj) if self.wrap is not None else self.obj
@@ -83,7 +84,8 @@ def _describe_numpy(arr, obj, lib, reinterpret):
     strides = tuple(s // itemsize if s % itemsize == 0 else s / itemsize for s in arr.strides)
     host = arr.view(_dtypes.STORAGE[name]) if name in _dtypes.STORAGE else arr
     return ArrayInfo(obj, lib, arr.__array_interface__["data"][0], tuple(arr.shape), strides,
-                     name, CPU, -1, host, readonly=not arr.flags.writeable, numpy=arr)
+                     name, CPU, -1, host, readonly=not arr.flags.writeable, numpy=arr,
+                     bits16=arr.dtype == np.uint16 and name in _dtypes.HALF_DTYPES)
 
 
 _TORCH_NAMES = {}
@@ -98,8 +100,14 @@ def _torch_dtype_name(dtype, torch):
 
 def _describe_torch(t, torch, reinterpret, arg="x", fn="rmsnorm_hip"):
     name = _torch_dtype_name(t.dtype, torch)
-    if name == "uint16" and reinterpret in _dtypes.HALF_DTYPES:
+    bits16 = name == "uint16" and reinterpret in _dtypes.HALF_DTYPES
+    if bits16:
         name = reinterpret
+    if t.is_neg() or t.is_conj():
+        # a lazy view (torch._neg_view, .conj().imag): its memory holds the values unnegated
+        raise ValueError(f"{fn}: {arg} is a torch view with the negative or conjugate bit set, "
+                         f"whose memory does not hold its values; pass {arg}.resolve_neg() "
+                         f"(or .resolve_conj())")
     dev = t.device
     if dev.type not in ("cpu", "cuda"):   # ROCm torch calls its devices "cuda" too
         raise ValueError(f"{fn}: {arg} must be on a CPU, CUDA or ROCm device, got torch device "
@@ -118,10 +126,11 @@ def _describe_torch(t, torch, reinterpret, arg="x", fn="rmsnorm_hip"):
             # storage to 0 ("Trying to resize storage that is not resizable")
             host = np.from_dlpack(view).view(storage)
         return ArrayInfo(t, "torch", t.data_ptr(), tuple(t.shape), tuple(t.stride()), name, CPU,
-                         -1, host)
+                         -1, host, bits16=bits16)
     kind = ROCM if getattr(torch.version, "hip", None) else CUDA
     return ArrayInfo(t, "torch", t.data_ptr(), tuple(t.shape), tuple(t.stride()), name, kind,
-                     dev.index if dev.index is not None else torch.cuda.current_device())
+                     dev.index if dev.index is not None else torch.cuda.current_device(),
+                     bits16=bits16)
 
 
 _TYPESTR = {"<f4": "float32", "<f2": "float16", "<u2": "uint16", "|i1": "int8", "|u1": "uint8",
@@ -133,7 +142,9 @@ def _from_cai(obj, lib, cai, device_index, reinterpret):
     dtype :func:`empty` allocated, e.g. float8_e4m3fn in uint8)."""
     name = _TYPESTR.get(cai["typestr"], cai["typestr"])
     storage = _dtypes.STORAGE.get(reinterpret)
+    bits16 = False
     if storage is not None and name == storage.name:
+        bits16 = name == "uint16"
         name = reinterpret
     shape = tuple(cai["shape"])
     itemsize = int(cai["typestr"][2:])
@@ -146,7 +157,7 @@ def _from_cai(obj, lib, cai, device_index, reinterpret):
     if device_index is None:
         device_index = _pointer_device(ptr)
     info = ArrayInfo(obj, lib, ptr, shape, strides, name, _cai_device_kind(lib, obj),
-                     device_index)
+                     device_index, bits16=bits16)
     info.cai_stream = cai.get("stream")
     return info
 
@@ -226,12 +237,25 @@ def _describe_dlpack(obj, reinterpret, arg="x", fn="rmsnorm_hip"):
     shape = tuple(t.shape[i] for i in range(ndim))
     strides = tuple(t.strides[i] for i in range(ndim)) if t.strides else _contiguous(shape)
     name = _DL_NAMES.get((t.dtype.code, t.dtype.bits), f"dlpack({t.dtype.code},{t.dtype.bits})")
-    if name == "uint16" and reinterpret in _dtypes.HALF_DTYPES:
+    bits16 = name == "uint16" and reinterpret in _dtypes.HALF_DTYPES
+    if bits16:
         name = reinterpret
     info = ArrayInfo(obj, "dlpack", (t.data or 0) + t.byte_offset, shape, strides, name, device,
-                     int(dev_id))
+                     int(dev_id), bits16=bits16)
     info.capsule = capsule
     return info
+
+
+def bump_versions(*arrays):
+    """Step torch's version counter of each torch tensor among ``arrays`` that a call wrote in
+    place, as torch's own in-place ops do: autograd then refuses a backward that would read a
+    saved tensor overwritten since, instead of computing a wrong gradient."""
+    torch = _torch()
+    if torch is None:
+        return
+    for a in arrays:
+        if isinstance(a, torch.Tensor) and not a.is_inference():
+            torch.autograd.graph.increment_version(a)
 
 
 def current_stream(info):
@@ -248,6 +272,18 @@ def current_stream(info):
     return 0
 
 
+def _torch_dtype(torch, dtype, bits16):
+    return torch.uint16 if bits16 and dtype in _dtypes.HALF_DTYPES else getattr(torch, dtype)
+
+
+def device_dtype(dtype, bits16=False):
+    """The NumPy dtype of a CuPy / numba device output of library ``dtype``: float16 stays
+    float16 (unless x came as uint16 storage: bits in, bits out), the dtypes they lack are
+    bits."""
+    return np.dtype(np.uint16) if bits16 and dtype in _dtypes.HALF_DTYPES else (
+        _dtypes.DEVICE[dtype])
+
+
 def empty(like, shape, dtype):
     """A new uninitialised array of ``shape`` / library ``dtype`` in ``like``'s library and device.
     Returns (array, ArrayInfo)."""
@@ -255,8 +291,8 @@ def empty(like, shape, dtype):
     if like.device == CPU:
         if lib == "torch":
             torch = _torch()
-            out = torch.empty(shape, dtype=getattr(torch, dtype))
-            return out, describe(out, "out")
+            out = torch.empty(shape, dtype=_torch_dtype(torch, dtype, like.bits16))
+            return out, describe(out, "out", dtype if like.bits16 else None)
         # like.numpy, not like.obj: a host DLPack object need not have a dtype
         storage_view = like.numpy.dtype == np.uint16 and dtype in _dtypes.HALF_DTYPES
         out = np.empty(shape, np.uint16 if storage_view else _dtypes.NUMPY[dtype])
@@ -266,14 +302,15 @@ def empty(like, shape, dtype):
         return out, info
     if lib == "torch":
         torch = _torch()
-        out = torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
+        out = torch.empty(shape, dtype=_torch_dtype(torch, dtype, like.bits16),
+                          device=like.obj.device)
         return out, ArrayInfo(out, "torch", out.data_ptr(), tuple(shape), _contiguous(shape),
                               dtype, like.device, like.device_index)
     numba_gpu = _numba_gpu_module(like.obj) if lib == "cai" else None
     if numba_gpu is not None:            # a numba-cuda or numba-hip caller gets its own arrays
         gpu = importlib.import_module(numba_gpu)
         with gpu.gpus[like.device_index]:
-            out = gpu.device_array(shape, _dtypes.STORAGE[dtype])
+            out = gpu.device_array(shape, device_dtype(dtype, like.bits16))
         return out, _from_cai(out, "cai", out.__cuda_array_interface__, like.device_index, dtype)
     cupy = _cupy()
     if cupy is None:
@@ -282,7 +319,7 @@ def empty(like, shape, dtype):
         except ImportError:
             raise TypeError(f"returning {lib} arrays needs CuPy (pip install 'rmsnorm-hip[cuda]')")
     with cupy.cuda.Device(like.device_index):
-        out = cupy.empty(shape, _dtypes.STORAGE[dtype])
+        out = cupy.empty(shape, device_dtype(dtype, like.bits16))
     info = _from_cai(out, "cupy", out.__cuda_array_interface__, like.device_index, dtype)
     if lib == "dlpack":
         info.wrap = lambda done: _back_to_library(like.obj, done)
@@ -305,7 +342,7 @@ def zero_fill(info):
     elif hasattr(out, "zero_"):
         out.zero_()                      # torch
     else:                                # numba device arrays
-        out.copy_to_device(np.zeros(info.shape, _dtypes.STORAGE[info.dtype]))
+        out.copy_to_device(np.zeros(info.shape, out.dtype))
 
 
 def _back_to_library(like, out):
@@ -341,19 +378,18 @@ def fast_key(x, weight, flags, others=()):
         if not x.is_cuda:
             return None
 
+        if not all(a is None or isinstance(a, torch.Tensor) for a in (weight,) + tuple(others)):
+            return None                 # arrays of several libraries: the full path
         def key_of(a):
-            if a is None:
-                return None
-            if isinstance(a, torch.Tensor):
-                return (a.dtype, a.shape, a.stride(), a.get_device())
-            return (type(a), id(a))   # never planned: full validation rejects it
+            return None if a is None else (a.dtype, a.shape, a.stride(), a.get_device())
         return (x.dtype, x.shape, x.stride(), x.get_device(), key_of(weight),
                 tuple(key_of(a) for a in others), flags)
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
+        if not all(a is None or isinstance(a, cupy.ndarray) for a in (weight,) + tuple(others)):
+            return None
         def key_of(a):
-            return (None if a is None else (a.dtype, a.shape, a.strides, a.device.id)
-                    if isinstance(a, cupy.ndarray) else (type(a), id(a)))
+            return None if a is None else (a.dtype, a.shape, a.strides, a.device.id)
         return ("cupy", x.dtype, x.shape, x.strides, x.device.id, key_of(weight),
                 tuple(key_of(a) for a in others), flags)
     return None
@@ -383,7 +419,7 @@ class FastIO:
 
             def allocator_of(make):
                 def allocator(shape, dtype):
-                    storage = _dtypes.STORAGE[dtype]
+                    storage = device_dtype(dtype)
 
                     def allocate():
                         with device:

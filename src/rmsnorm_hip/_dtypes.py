@@ -38,6 +38,16 @@ NUMPY = {
     FLOAT8_E4M3FN: np.dtype(ml_dtypes.float8_e4m3fn),
 }
 
+# what CuPy and numba device-array callers get back: their native float16, and bits for the
+# dtypes they lack (bfloat16 as uint16, float8 as uint8)
+DEVICE = {
+    FLOAT32: np.dtype(np.float32),
+    FLOAT16: np.dtype(np.float16),
+    BFLOAT16: np.dtype(np.uint16),
+    INT8: np.dtype(np.int8),
+    FLOAT8_E4M3FN: np.dtype(np.uint8),
+}
+
 _FROM_NUMPY = {v: k for k, v in NUMPY.items()}
 
 

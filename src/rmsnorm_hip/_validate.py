@@ -46,9 +46,7 @@ def rows(info, fn, arg):
 
 
 def same_place(info, like, fn, arg):
-    if info.lib != like.lib:
-        raise ValueError(f"{fn}: {arg} must come from the same array library as x ({like.lib}), "
-                         f"got {info.lib}")
+    """``info`` on x's device; any array library (outputs follow x's)."""
     if (info.device, info.device_index) != (like.device, like.device_index):
         raise ValueError(f"{fn}: {arg} must be on the same device as x ({_where(like)}), "
                          f"got {_where(info)}")
@@ -86,30 +84,50 @@ def weight_dtypes(x_dtype):
     return (x_dtype,) if x_dtype == _dtypes.FLOAT32 else (x_dtype, _dtypes.FLOAT32)
 
 
-def _real(value, fn, arg):
-    """``value`` as a Python float: a Python or NumPy real number, or anything else with
-    ``__float__`` that gives one (a 0-d array); TypeError naming ``arg`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        raise TypeError(f"{fn}: {arg} must be a float, got {type(value).__name__}")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _real(value, fn, arg, what):
+    """``value`` as a Python float that float32 holds finitely: a Python or NumPy real number, or
+    a one-element array / tensor of one.  Booleans (``True``, ``np.bool_``) and complex numbers
+    raise TypeError; NaN, infinities and magnitudes past float32's range ValueError, saying
+    ``what`` the argument must be."""
+    kind = getattr(value, "dtype", None)
+    if (isinstance(value, (bool, np.bool_, complex, np.complexfloating))
+            or getattr(kind, "kind", "") in ("b", "c")
+            or not (isinstance(value, (int, float)) or hasattr(value, "__float__"))):
+        raise TypeError(f"{fn}: {arg} must be a float, got {type(value).__name__}"
+                        + (f" of dtype {kind}" if kind is not None else ""))
     try:
-        return float(value)
+        number = float(value)
+    except OverflowError:
+        number = math.inf if value > 0 else -math.inf
     except (TypeError, ValueError):   # a NumPy / torch array of more than one element
         shape = tuple(getattr(value, "shape", ()))
         raise TypeError(f"{fn}: {arg} must be a float, got {type(value).__name__} of shape "
                         f"{shape}") from None
+    if not (abs(number) <= _FLOAT32_MAX):      # NaN fails too
+        past = " (float32, where the kernels compute, holds at most 3.4e38)" if (
+            not math.isnan(number)) else ""
+        raise ValueError(f"{fn}: {arg} must be {what}, got {_short(value)}{past}")
+    return number
+
+
+def _short(value):
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:12]}... ({len(text)} digits)"
 
 
 def eps(value, fn):
-    value = _real(value, fn, "eps")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{fn}: eps must be a finite number >= 0, got {value}")
+    what = "a finite number >= 0"
+    value = _real(value, fn, "eps", what)
+    if value < 0:
+        raise ValueError(f"{fn}: eps must be {what}, got {value}")
     return value
 
 
 def weight_offset(value, has_weight, fn):
-    value = _real(value, fn, "weight_offset")
-    if not math.isfinite(value):
-        raise ValueError(f"{fn}: weight_offset must be finite, got {value}")
+    value = _real(value, fn, "weight_offset", "finite")
     if not has_weight and value != 0.0:
         raise ValueError(f"{fn}: weight_offset must be 0.0 when weight is None, got {value}")
     return value
@@ -186,9 +204,9 @@ def _row_bands(info):
 
 
 def _share_elements(a, b):
-    """Whether arrays a and b may have a byte in common: False only where none is shared, by
-    where their rows sit within one common row stride; otherwise by their byte spans (which may
-    say True for arrays that share nothing, never False for arrays that share a byte)."""
+    """Whether arrays a and b have a byte in common, decided on the bytes they address: rows of
+    unit-stride elements at their row strides (exactly, whatever the two strides); by byte spans
+    only for other layouts, where it may say True for arrays that share nothing."""
     a_end, b_end = a.ptr + a.extent_bytes(), b.ptr + b.extent_bytes()
     if a_end == a.ptr or b_end == b.ptr or not (b.ptr < a_end and a.ptr < b_end):
         return False
@@ -196,17 +214,18 @@ def _share_elements(a, b):
     if None in bands:
         return True
     (pa, ma, sa, wa), (pb, mb, sb, wb) = bands
-    if ma > 1 and mb > 1:
-        if sa != sb or wa > sa or wb > sb:
-            return True                   # interleaved at different strides: by span
+    if ma > 1 and mb > 1 and sa == sb and wa <= sa and wb <= sb:
         offset = (pb - pa) % sa           # b's rows start this far into a's row period
         return not (wa <= offset and offset + wb <= sa)
     if ma == 1 and mb == 1:
         return True                       # two runs of bytes whose spans meet
-    if ma == 1:                           # let a be the rows, b the one run of bytes
-        (pa, ma, sa, wa), (pb, wb) = (pb, mb, sb, wb), (pa, wa)
-    first = max(0, (pb - pa - wa) // sa + 1)   # the first row of a that ends after b starts
-    return first < ma and pa + first * sa < pb + wb
+    if ma < mb:                           # b: the one with fewer rows, walked row by row
+        (pa, ma, sa, wa), (pb, mb, sb, wb) = (pb, mb, sb, wb), (pa, ma, sa, wa)
+    # row j of b, [r, r + wb), meets row i of a, [pa + i sa, + wa), for lo <= i <= hi
+    r = np.int64(pb) + np.int64(sb) * np.arange(mb, dtype=np.int64)
+    lo = -((pa + wa - 1 - r) // sa)       # ceil((r - pa - wa + 1) / sa)
+    hi = (r + wb - 1 - pa) // sa
+    return bool(np.any(np.maximum(lo, 0) <= np.minimum(hi, ma - 1)))
 
 
 def quant_dtype(value, fn):

@@ -126,9 +126,9 @@ def _elf_mach(code_object):
 
 def amd_records(variant, archs, intr, keep_dir=None):
     """{arch: record} of one variant compiled for every AMD arch (one numba compile)."""
-    from .backends.hip import compile_code_objects
+    from .backends.hip import variant_code_objects
 
-    compiled = compile_code_objects(variant.builder(intr, variant.spec), variant.argtypes, archs)
+    compiled = variant_code_objects(variant.builder, variant.spec, variant.argtypes, archs, intr)
     records = {}
     for arch, (code_object, isa, metadata) in compiled.items():
         kernel = metadata["amdhsa.kernels"][0]
@@ -173,13 +173,11 @@ def shifted_spans(spec):
 
 def cuda_records(variant, archs, intr, keep_dir=None):
     """{arch: record} of one variant compiled to PTX for every ``sm_XY`` in ``archs``."""
-    from .backends.cuda import compile_ptx
-    from .kernels import _config
+    from .backends.cuda import variant_ptx
 
     records = {}
     for arch in archs:
-        ptx, _ = compile_ptx(variant.builder(intr, variant.spec), variant.argtypes, _cuda_cc(arch),
-                             *_config.launch_bounds(variant.spec))
+        ptx, _ = variant_ptx(variant.builder, variant.spec, variant.argtypes, _cuda_cc(arch), intr)
         records[arch] = record = _describe(variant)
         record.update(
             arch=arch,

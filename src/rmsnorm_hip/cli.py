@@ -1,6 +1,7 @@
-"""``rmsnorm-hip`` (also ``python -m rmsnorm_hip``): info, check, bench, compile."""
+"""``rmsnorm-hip`` (also ``python -m rmsnorm_hip``): info, check, bench, compile, cache."""
 import argparse
 import importlib.metadata
+import os
 import sys
 
 import numpy as np
@@ -245,6 +246,25 @@ def cmd_compile(args):
     return aot.main(args.rest)
 
 
+def cmd_cache(args):
+    from . import _diskcache
+    if args.action == "clear":
+        removed = _diskcache.clear()
+        print(f"removed {removed} cached kernel(s) from {_diskcache.directory()}")
+        return 0
+    summary = _diskcache.info()
+    if not summary["enabled"]:
+        print(f"disabled ({_diskcache.ENV}={os.environ.get(_diskcache.ENV)})")
+        return 0
+    print(f"directory    {summary['directory']}")
+    print(f"size         {summary['bytes'] / 2**20:.1f} MiB")
+    kinds = summary["entries"]
+    for kind, what in (("cpu", "CPU machine code"), ("ptx", "NVIDIA PTX"),
+                       ("hsaco", "AMD code objects")):
+        print(f"{kind:12s} {kinds.get(kind, 0)} {what}")
+    return 0
+
+
 _PASS_THROUGH = {"bench": cmd_bench, "compile": cmd_compile}
 
 
@@ -259,6 +279,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("cache", help="the on-disk kernel cache: where it is and what it holds, "
+                                     "or empty it")
+    p.add_argument("action", choices=("info", "clear"))
+    p.set_defaults(fn=cmd_cache)
     for name, fn, text in (("bench", cmd_bench, "device time, GB/s and %% of copy vs peers"),
                            ("compile", cmd_compile, "ahead-of-time compile every kernel variant")):
         p = sub.add_parser(name, help=text, add_help=False)

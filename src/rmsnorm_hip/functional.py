@@ -6,7 +6,6 @@ Repeat calls on torch / CuPy device arrays take a fast path: everything that dep
 arrays' metadata (validation, backend, kernel choice) is kept in a plan under the call's signature,
 so a repeat call reads pointers, allocates its outputs and launches (a few microseconds).
 """
-import math
 from os import environ as _environ
 
 from . import _arrays, _dtypes, _validate, backends
@@ -19,7 +18,7 @@ _fwd_runners = {}
 _bwd_runners = {}
 _fused_runners = {}
 _MAX_RUNNERS = 4096
-_INF = math.inf
+_F32_MAX = _validate._FLOAT32_MAX
 
 
 def forget_plans():
@@ -77,8 +76,9 @@ def _runner(runners, key, eps, weight_offset, weight):
 def _plain_scalars(eps, weight_offset, weight):
     """Whether a repeat-call runner may take these scalars as they are (anything else goes
     through full validation, which raises or converts)."""
-    return (type(eps) is float and 0.0 <= eps < _INF and type(weight_offset) is float
-            and -_INF < weight_offset < _INF and (weight is not None or weight_offset == 0.0))
+    return (type(eps) is float and 0.0 <= eps <= _F32_MAX and type(weight_offset) is float
+            and -_F32_MAX <= weight_offset <= _F32_MAX
+            and (weight is not None or weight_offset == 0.0))
 
 
 def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
@@ -107,7 +107,11 @@ def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
         _fwd_runners[plan_key] = backend.fwd_runner(
             _arrays.FastIO(xi), xi.shape, m, n, x_stride, xi.dtype,
             wi.dtype if wi is not None else "", return_rstd)
-    y = yi.result() if out is None else out
+    if out is None:
+        y = yi.result()
+    else:
+        y = out
+        _arrays.bump_versions(out)
     return (y, ri.result()) if return_rstd else y
 
 
@@ -179,10 +183,12 @@ def fused_add_rms_norm_(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0
         run = _runner(_fused_runners, key, eps, weight_offset, weight)
         # None: the arrays' spans meet, which full validation looks at
         if run is not None and run(x, residual, weight, None, eps, weight_offset) is not None:
+            _arrays.bump_versions(x, residual)
             return
     _validate.required(residual, fn, "residual")
     _fused_forward(fn, x, residual, weight, eps, weight_offset, dtype, in_place=True,
                    plan_key=key)
+    _arrays.bump_versions(x, residual)
 
 
 def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quant_dtype="int8",

@@ -1,5 +1,5 @@
 """What every GPU backend (cuda, hip, sim) shares: choosing the kernel variant for a call and packing
-its launch.  Subclasses provide ``compile(pyfunc, argtypes, name)``, ``launch(kernel, grid, block,
+its launch.  Subclasses provide ``compile(builder, spec, argtypes)``, ``launch(kernel, grid, block,
 args, stream)``, ``arg(info, dtype)``, ``stream_for(info)`` and ``cache_key``."""
 from .. import _arrays, _cache, _dtypes
 from ..kernels import _config, rmsnorm_bwd, rmsnorm_fwd
@@ -31,11 +31,10 @@ class GpuBackend:
         return (self.name, self.arch, self.device_index)
 
     def kernel(self, builder, spec, argtypes):
-        """The compiled kernel of ``builder(intrinsics, spec)``, cached by (backend, spec)."""
+        """The compiled kernel of ``builder(intrinsics, spec)``, cached by (backend, spec) in
+        memory (and its binary on disk, by the backend's ``compile``)."""
         key = self.cache_key + (builder.__name__, spec)
-        return _cache.get(key, lambda: self.compile(builder(self.intrinsics, spec), argtypes,
-                                                    builder.__name__,
-                                                    *_config.launch_bounds(spec)))
+        return _cache.get(key, lambda: self.compile(builder, spec, argtypes))
 
     def stream_for(self, info):
         return _arrays.current_stream(info)

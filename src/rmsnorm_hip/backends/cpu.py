@@ -1,13 +1,94 @@
-"""CPU backend: NumPy (host) arrays through numba's CPU JIT, rows in parallel."""
-import numpy as np
+"""CPU backend: NumPy (host) arrays through numba's CPU JIT.  Compiled machine code is kept on
+disk (``_diskcache``) under the kernel's explicit key: numba's own cache cannot tell apart
+closures built from one source with different constants.
 
-from .. import _cache, _dtypes, intrinsics
+Large calls spread their rows over a pool of Python threads, each running a serial kernel on its
+share with the GIL released.  Not numba's ``parallel=True``: its OpenMP layer spins waiting for
+work (with the cores busy elsewhere, 1024x1024 went from 0.72 to 8 ms), oversubscribes when
+called from several threads, and leaves a forked child unable to run a parallel region.  The pool
+sleeps when idle, takes at most the cores this process may use, and a forked child starts its
+own.  The rows a thread takes never change a row's result (batch invariance).
+"""
+import itertools
+import os
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from numba.core.caching import NullCache
+from numba.core.runtime import rtsys
+
+from .. import _cache, _diskcache, _dtypes, intrinsics
 from ..kernels import cpu_rmsnorm
 
-
-# below ~1M elements a serial pass beats waking the thread pool (2-core CI VM: 64x4096 bf16
-# serial 0.2-0.3 ms, parallel 0.4 ms with workqueue and 7.7 ms with an oversubscribed OpenMP)
+# below ~1M elements one thread beats handing rows out (2-core CI VM: 64x4096 bf16 serial
+# 0.2-0.3 ms)
 PARALLEL_MIN_ELEMENTS = 1 << 20
+
+
+def _distinct_function_names():
+    """numba names a compiled function by its qualified name and a per-process counter, and the
+    JIT links a call by name to the first definition it holds.  A kernel loaded from disk brings
+    the names its compiling process gave (its helpers, closures built from one source with other
+    constants, included), which could be a name this process already gave another closure: the
+    loaded kernel would then call that one.  This process's counter starts at a random 62-bit
+    offset, so names from different processes do not meet."""
+    from numba.core import bytecode
+    start = (1 << 62) + random.SystemRandom().getrandbits(62)
+    bytecode.FunctionIdentity._unique_ids = itertools.count(start)
+
+
+_distinct_function_names()
+
+
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # macOS, Windows
+        return os.cpu_count() or 1
+
+
+class RowPool:
+    """Runs ``work(lo, hi)`` over row ranges on up to ``threads`` threads (the caller's one of
+    them), for calls of at least PARALLEL_MIN_ELEMENTS; one range on the caller's thread
+    otherwise."""
+
+    def __init__(self, threads=None):
+        self.threads = max(1, threads or _cores())
+        self._pool = None
+        self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):
+            # a child has none of the parent's threads: it makes its own pool when it needs one
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self):
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def _executor(self):
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.threads - 1,
+                                                    thread_name_prefix="rmsnorm_hip")
+        return self._pool
+
+    def ranges(self, m, elements):
+        """The row ranges a call of ``m`` rows and ``elements`` elements is split into."""
+        parts = min(self.threads, m) if elements >= PARALLEL_MIN_ELEMENTS else 1
+        bounds = [k * m // parts for k in range(parts + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def run(self, work, m, elements):
+        ranges = self.ranges(m, elements)
+        if len(ranges) == 1:
+            work(*ranges[0])
+            return
+        futures = [self._executor().submit(work, lo, hi) for lo, hi in ranges[1:]]
+        work(*ranges[0])
+        for future in futures:
+            future.result()
 
 
 def rows_view(info, m, n, row_stride):
@@ -15,6 +96,60 @@ def rows_view(info, m, n, row_stride):
     host = info.host
     return np.lib.stride_tricks.as_strided(host, shape=(m, n),
                                            strides=(row_stride * host.itemsize, host.itemsize))
+
+
+class NumbaDiskCache(NullCache):
+    """A numba dispatcher's disk cache (``dispatcher._cache``) keyed by ``key``, the kernel's
+    builder and spec, plus the signature and the host CPU numba compiles for."""
+
+    def __init__(self, key):
+        self._key = key
+        self._lock = None
+
+    def _entry(self, sig, target_context):
+        return (self._key, str(sig), target_context.codegen().magic_tuple())
+
+    def _load(self, entry, target_context):
+        from numba.core import compiler, serialize
+        payload = _diskcache.load("cpu", entry)
+        if payload is None:
+            return None
+        try:
+            return compiler.CompileResult._rebuild(target_context, *serialize.pickle.loads(payload))
+        except Exception:
+            _diskcache.discard("cpu", entry)
+            return None
+
+    def load_overload(self, sig, target_context):
+        # numba's runtime (NRT), which compiled code calls into; numba's own disk cache runs the
+        # whole target refresh here, which also loads every typing registry (~0.2 s) that a
+        # kernel loaded, not compiled, never needs
+        rtsys.initialize(target_context)
+        entry = self._entry(sig, target_context)
+        cres = self._load(entry, target_context)
+        if cres is None:
+            # on a miss, build under the entry's lock (released by save_overload, or by the
+            # next load if the compile raised): a process that waited loads the entry instead
+            self._release()
+            self._lock = _diskcache.BuildLock("cpu", entry).acquire()
+            cres = self._load(entry, target_context)
+            if cres is not None:
+                self._release()
+        return cres
+
+    def save_overload(self, sig, cres):
+        from numba.core import serialize
+        try:
+            if not (cres.lifted or cres.library.has_dynamic_globals):
+                _diskcache.store("cpu", self._entry(sig, cres.target_context),
+                                 serialize.dumps(cres._reduce()))
+        finally:
+            self._release()
+
+    def _release(self):
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def _dummy(dtype, ndim=1):
@@ -29,29 +164,34 @@ class CpuBackend:
 
     def __init__(self):
         self.intrinsics = intrinsics.load("cpu")
+        self.pool = RowPool()
 
     def _kernel(self, builder, *spec):
-        return _cache.get(self.cache_key + (builder.__name__,) + spec,
-                          lambda: builder(self.intrinsics, *spec))
+        key = self.cache_key + (builder.__name__,) + spec
+        return _cache.get(key, lambda: self._build(key, builder, spec))
+
+    def _build(self, key, builder, spec):
+        dispatcher = builder(self.intrinsics, *spec)
+        dispatcher._cache = NumbaDiskCache(key)
+        return dispatcher
 
     def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset):
         wdtype = weight.dtype if weight is not None else ""
-        fwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_fwd, x.dtype, wdtype,
-                           m > 1 and m * n >= PARALLEL_MIN_ELEMENTS)
-        fwd(rows_view(x, m, n, x_stride),
-            weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
-            rows_view(y, m, n, y_stride),
-            rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
-            np.float32(eps), np.float32(weight_offset), rstd is not None)
+        fwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_fwd, x.dtype, wdtype)
+        args = (rows_view(x, m, n, x_stride),
+                weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
+                rows_view(y, m, n, y_stride),
+                rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
+                np.float32(eps), np.float32(weight_offset), rstd is not None)
+        self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
     def rms_norm_fused_fwd(self, x, residual, weight, xscale, y, residual_out, rstd, yscale, m, n,
                            strides, eps, weight_offset, quant=""):
         """See GpuBackend.rms_norm_fused_fwd (same arguments)."""
         x_stride, r_stride, y_stride, ro_stride = strides
         fwd = self._kernel(cpu_rmsnorm.make_cpu_fused_fwd, x.dtype,
-                           weight.dtype if weight is not None else "",
-                           m > 1 and m * n >= PARALLEL_MIN_ELEMENTS, residual is not None, quant,
-                           xscale.dtype if xscale is not None else "")
+                           weight.dtype if weight is not None else "", residual is not None,
+                           quant, xscale.dtype if xscale is not None else "")
 
         def rows(info, stride):
             return rows_view(info, m, n, stride) if info is not None else _dummy(x.dtype, 2)
@@ -59,22 +199,30 @@ class CpuBackend:
         def vec(info):
             return info.host if info is not None else _dummy(_dtypes.FLOAT32)
 
-        fwd(rows(x, x_stride), rows(residual, r_stride), vec(weight), vec(xscale),
-            rows(y, y_stride), rows(residual_out, ro_stride), vec(rstd), vec(yscale),
-            np.float32(eps), np.float32(weight_offset), rstd is not None)
+        args = (rows(x, x_stride), rows(residual, r_stride), vec(weight), vec(xscale),
+                rows(y, y_stride), rows(residual_out, ro_stride), vec(rstd), vec(yscale),
+                np.float32(eps), np.float32(weight_offset), rstd is not None)
+        self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
     def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
                      weight_offset, workspace, deterministic=True, zero_fill=None):
-        """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo."""
+        """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo.
+        dweight: partial rows of BWD_GROUPS row groups (a function of M), summed in group order:
+        the same bits whatever the threads."""
         dy_stride, x_stride, dres_stride, dx_stride = strides
         wdtype = weight.dtype if weight is not None else ""
         bwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_bwd, x.dtype, wdtype, rstd is None,
-                           dres is not None, m > 1 and m * n >= PARALLEL_MIN_ELEMENTS)
-        partial = workspace((min(m, cpu_rmsnorm.BWD_GROUPS), n)).host
-        bwd(rows_view(dy, m, n, dy_stride), rows_view(x, m, n, x_stride),
-            weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
-            rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
-            rows_view(dres, m, n, dres_stride) if dres is not None else rows_view(x, m, n, x_stride),
-            rows_view(dx, m, n, dx_stride), partial,
-            dweight.host if dweight is not None else _dummy(_dtypes.FLOAT32),
-            np.float32(eps), np.float32(weight_offset))
+                           dres is not None)
+        groups = min(m, cpu_rmsnorm.BWD_GROUPS)
+        partial = workspace((groups, n)).host
+        args = (rows_view(dy, m, n, dy_stride), rows_view(x, m, n, x_stride),
+                weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
+                rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
+                rows_view(dres, m, n, dres_stride) if dres is not None
+                else rows_view(x, m, n, x_stride),
+                rows_view(dx, m, n, dx_stride), partial, np.float32(eps),
+                np.float32(weight_offset))
+        # the pool splits groups, not rows: a group's partial row is one thread's
+        self.pool.run(lambda g0, g1: bwd(*args, g0, g1), groups, m * n)
+        if weight is not None:
+            self._kernel(cpu_rmsnorm.make_dweight_sum, wdtype)(partial, dweight.host)

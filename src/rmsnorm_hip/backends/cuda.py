@@ -2,13 +2,15 @@
 (cuda-python's ``cuda.bindings``) and launched with ``cuLaunchKernel`` on the caller's stream.
 numba's per-call dispatcher (80-140 us a call) is never on the launch path."""
 import ctypes
+import json
 import re
 import threading
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 from .. import _compat  # noqa: F401
-from .. import intrinsics
+from .. import _diskcache, intrinsics
+from ..kernels import _config
 from ._argpack import ArgPack
 from ._gpu import GpuBackend
 
@@ -52,6 +54,18 @@ def compile_ptx(pyfunc, argtypes, cc, max_threads=None, min_blocks=None):
             bounds += f".minnctapersm {int(min_blocks)}\n"
         ptx = f"{ptx[:entry.end() - 1]}{bounds}{ptx[entry.end() - 1:]}"
     return ptx, entry.group(1)
+
+
+def variant_ptx(builder, spec, argtypes, cc, intr=None):
+    """(ptx, entry) of the kernel ``builder(intr, spec)`` for compute capability ``cc``, with the
+    launch bounds its spec declares; from the disk cache when it holds it."""
+    key = (builder.__module__, builder.__name__, spec, tuple(map(str, argtypes)), tuple(cc))
+
+    def build():
+        pyfunc = builder(intr or intrinsics.load("cuda"), spec)
+        return compile_ptx(pyfunc, argtypes, cc, *_config.launch_bounds(spec))
+    return _diskcache.cached("ptx", key, build, encode=lambda r: json.dumps(r).encode(),
+                             decode=lambda b: tuple(json.loads(b)))
 
 
 def _check(result, what):
@@ -147,8 +161,10 @@ class CudaBackend(GpuBackend):
         finally:
             _check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
-    def compile(self, pyfunc, argtypes, name, max_threads=None, min_blocks=None):
-        ptx, entry = compile_ptx(pyfunc, argtypes, self.cc, max_threads, min_blocks)
+    def compile(self, builder, spec, argtypes):
+        # the driver keeps its own cache of the PTX's machine code (~/.nv/ComputeCache)
+        ptx, entry = variant_ptx(builder, spec, argtypes, self.cc, self.intrinsics)
+        name = builder.__name__
         with self.current():
             module = self._load_ptx(ptx)
             function = _check(self._driver.cuModuleGetFunction(module, entry.encode()),

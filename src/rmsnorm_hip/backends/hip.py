@@ -3,8 +3,9 @@ loaded once per device with ``hipModuleLoadData`` (hip-python's ``rocm.bindings.
 with ``hipModuleLaunchKernel`` on the caller's current stream, arguments packed by
 :class:`~._argpack.ArgPack`.  numba-hip's per-call dispatcher is never on the launch path.
 
-:func:`compile_code_object` / :func:`compile_code_objects` are the same compile for named arches
-with no GPU and no HIP runtime (``rmsnorm-hip compile``, :mod:`rmsnorm_hip.aot`).
+:func:`compile_code_objects` (:func:`variant_code_objects` through the disk cache) is the same
+compile for named arches with no GPU and no HIP runtime (``rmsnorm-hip compile``,
+:mod:`rmsnorm_hip.aot`).
 
 numba-hip 0.2.1 asks the HIP runtime for the current device's arch in a few places even when the
 arch is given explicitly (``Dispatcher.compile_device``, ``_Kernel.__init__``,
@@ -14,11 +15,12 @@ under a lock, and restores the originals.  It uses numba-hip internals (``compil
 """
 import ctypes
 import os
+import pickle
 import threading
 from contextlib import contextmanager
 from types import SimpleNamespace
 
-from .. import intrinsics
+from .. import _diskcache, intrinsics
 from ._argpack import ArgPack
 from ._gpu import GpuBackend
 
@@ -127,10 +129,16 @@ def compile_code_objects(pyfunc, argtypes, archs, listing=True):
     return out
 
 
-def compile_code_object(pyfunc, argtypes, arch, listing=True):
-    """``(code_object, isa, metadata)`` of a kernel for AMD ``arch`` (e.g. ``"gfx942"``), no GPU
-    needed; see :func:`compile_code_objects`."""
-    return compile_code_objects(pyfunc, argtypes, (arch,), listing)[arch]
+def variant_code_objects(builder, spec, argtypes, archs, intr=None, listing=True):
+    """:func:`compile_code_objects` of the kernel ``builder(intr, spec)``, from the disk cache
+    when it holds it."""
+    archs = tuple(archs)
+    key = (builder.__module__, builder.__name__, spec, tuple(map(str, argtypes)), archs, listing)
+
+    def build():
+        return compile_code_objects(builder(intr or intrinsics.load("hip"), spec), argtypes,
+                                    archs, listing)
+    return _diskcache.cached("hsaco", key, build, encode=pickle.dumps, decode=pickle.loads)
 
 
 def kernel_name(metadata):
@@ -241,11 +249,12 @@ class HipBackend(GpuBackend):
         finally:
             _check(hip.hipSetDevice(previous), "hipSetDevice")
 
-    def compile(self, pyfunc, argtypes, name, max_threads=None, min_blocks=None):
+    def compile(self, builder, spec, argtypes):
         # AMDGPU code objects are built for blocks of up to 1024 work items already (the VGPR
         # budget for 16 waves per CU; aot.block_vgpr_limit checks each variant)
-        code_object, _, metadata = compile_code_object(pyfunc, argtypes, self.arch,
-                                                       listing=False)
+        code_object, _, metadata = variant_code_objects(builder, spec, argtypes, (self.arch,),
+                                                        self.intrinsics, listing=False)[self.arch]
+        name = builder.__name__
         entry = kernel_name(metadata)
         hip = self._hip
         with self.current():

@@ -60,6 +60,86 @@ def _poison_shared_memory():
     shared.array = array
 
 
+class _BlockBarrier:
+    """syncthreads for one simulated block: the last live thread to arrive releases the others.
+    A thread that returns leaves the count (as in numba's simulator, whose barrier waits for the
+    threads still running); one that raises aborts the block, so that no thread waits forever."""
+
+    def __init__(self, parties):
+        self._cond = threading.Condition()
+        self._live = parties
+        self._waiting = 0
+        self._generation = 0
+        self._aborted = False
+
+    def _release(self):
+        self._waiting = 0
+        self._generation += 1
+        self._cond.notify_all()
+
+    def wait(self):
+        with self._cond:
+            if self._aborted:
+                raise RuntimeError("abort flag set on syncthreads call")
+            generation = self._generation
+            self._waiting += 1
+            if self._waiting == self._live:
+                self._release()
+            while generation == self._generation and not self._aborted:
+                self._cond.wait()
+            if self._aborted:
+                raise RuntimeError("abort flag set on syncthreads clear")
+
+    def leave(self, failed):
+        with self._cond:
+            self._live -= 1
+            if failed:
+                self._aborted = True
+                self._cond.notify_all()
+            elif self._live and self._waiting == self._live:
+                self._release()
+
+
+def _event_driven_blocks():
+    """numba's simulator runs a block's threads under a manager thread that polls every thread's
+    flags in a loop, holding the interpreter lock the threads need: replace it with a barrier
+    that wakes threads when the last one arrives (the same semantics, a fraction of the time)."""
+    from numba.cuda.simulator import kernel
+    manager = kernel.BlockManager
+    if getattr(manager.run, "_rmsnorm_hip_events", False):
+        return
+
+    def run(self, grid_point, *args):
+        barrier = self._rmsnorm_barrier = _BlockBarrier(int(np.prod(self._block_dim)))
+        threads = []
+        for block_point in np.ndindex(*self._block_dim):
+            def target():
+                failed = True
+                try:
+                    self._f(*args)
+                    failed = False
+                finally:
+                    barrier.leave(failed)
+            thread = kernel.BlockThread(target, self, grid_point, block_point, self._debug)
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+        for thread in threads:
+            if thread.exception and "abort flag" not in str(thread.exception[0]):
+                raise thread.exception[0].with_traceback(thread.exception[1])
+        for thread in threads:
+            if thread.exception:
+                raise thread.exception[0].with_traceback(thread.exception[1])
+
+    def syncthreads(self):
+        self._manager._rmsnorm_barrier.wait()
+
+    run._rmsnorm_hip_events = True
+    manager.run = run
+    kernel.BlockThread.syncthreads = syncthreads
+
+
 def _identity(fn=None, **_options):
     return fn if fn is not None else _identity
 
@@ -178,9 +258,61 @@ def _make_shfl_xor(warp):
     return shfl_xor
 
 
+def _make_warp_reductions(warp, max_nan):
+    """warp_sum / warp_max with the xor butterfly's exact order (lane l adds lane l ^ offset's
+    value to its own, offsets width / 2 ... 1), computed for the whole warp by the last lane to
+    arrive: two barriers a reduction instead of two a shuffle step."""
+    def butterfly(state):
+        values, width, combine = state["values"], state["width"], state["combine"]
+        lanes = len(values)
+        offset = width >> 1
+        while offset > 0:
+            values = [combine(values[lane], values[lane ^ offset] if lane ^ offset < lanes
+                              else values[lane]) for lane in range(lanes)]
+            offset >>= 1
+        state["results"] = values
+
+    def warp_state():
+        thread = threading.current_thread()
+        manager = thread._manager
+        warp_id, lane = divmod(thread.thread_id, warp)
+        states = manager.__dict__.setdefault("_rmsnorm_warp_reductions", {})
+        state = states.get(warp_id)
+        if state is None:
+            with _lock:
+                state = states.get(warp_id)
+                if state is None:
+                    bx, by, bz = (tuple(manager._block_dim) + (1, 1))[:3]
+                    lanes = min(warp, bx * by * bz - warp_id * warp)
+                    state = {"values": [None] * lanes}
+                    state["barrier"] = threading.Barrier(lanes, action=lambda: butterfly(state),
+                                                         timeout=300)
+                    states[warp_id] = state
+        return state, lane
+
+    def reduce(value, width, combine):
+        state, lane = warp_state()
+        state["values"][lane] = value
+        state["width"], state["combine"] = int(width), combine
+        state["barrier"].wait()
+        out = state["results"][lane]
+        state["barrier"].wait()       # nobody starts the next reduction before every lane read
+        return out
+
+    def warp_sum(value, width):
+        return reduce(value, width, lambda a, b: a + b)
+
+    def warp_max(value, width):
+        return reduce(value, width, max_nan)
+
+    return warp_sum, warp_max
+
+
 def build(warp):
     _poison_shared_memory()
+    _event_driven_blocks()
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
+    shared.warp_sum, shared.warp_max = _make_warp_reductions(warp, shared.max_nan)
     return SimpleNamespace(name="sim", warp=warp, shared_alignment=16,
                            gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,

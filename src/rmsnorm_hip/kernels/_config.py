@@ -41,7 +41,7 @@ BLOCK_THREADS = 128
 #   SmoothQuant int8 bf16 (fma levels) 32768x4096 87.5 -> 93.6, 16384x8192 84 -> 92, 4096x4096
 #     62 -> 67, 1024x8192 47 -> 49; float32 x 16384x4096 77 -> 89, 4096x4096 64 -> 72
 #   quantised with a residual (bf16 fp8) 32768x4096 97 -> 92, 4096x4096 83 -> 81; with held
-#     gains (FWD_STREAM_HELD_WEIGHTS; results/tune_h200_20261130_s9/
+#     gains (results/tune_h200_20261130_s9/
 #     tune_stream_quant_res_held.json, two runs each) 32768x4096 97.3 -> 92.7, 16384x8192 97.1
 #     -> 93.3, 4096x4096 80.0 / 83.5 -> 83.9 / 84.7, 1024x8192 69.1 -> 72.6: streamed up to 32
 #     rows per SM
@@ -50,17 +50,6 @@ FWD_STREAM_ROWS_PER_SM = {
     "cuda": {"plain": 16, "residual": 0, "quant": None, "quant_residual": 32},
     "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
 }
-# streamed quantised rows hold their columns' gains g = (weight + offset) * xscale in registers,
-# loaded once per program, so a row weighs its chunks with one multiply per element and loads
-# no weight or xscale (the quantised row is bound by instruction issue).  Every quantised
-# variant forms t = h * g, so the bits do not depend on it.  ptxas: 124-128 registers for 16-bit
-# rows (4 blocks of 128 threads per SM, as before), no spills.  H200, % of copy, held / loaded
-# per row (results/tune_h200_20261130_s9/tune_stream_held.json; session 8's small-batch form,
-# loads unbranched, in the loaded column):
-#   SmoothQuant int8 bf16 32768x4096 95.1 / 92.9, 16384x8192 94.1 / 88.8, 4096x4096 75.7 / 72.9,
-#   1024x8192 62.9 / 59.2; float32 x 16384x4096 91.3 / 90.7, 4096x4096 74.6 / 74.6;
-#   with a residual (fp8, streamed for this run) 32768x4096 94.6 / 93.0, 4096x4096 83.3 / 79.4
-FWD_STREAM_HELD_WEIGHTS = True
 
 
 def ceil_div(a, b):
@@ -169,8 +158,10 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     ``vendor`` ("cuda" or "hip") GPU.  ``offset=False`` (weight_offset == 0) is a variant of the
     quantised rows only: their issue slots are the bound, and it saves one FADD per element
     (the same switch measured nothing on rms_norm and the fused add: tune_stream.json).
-    ``stream`` (fwd_stream) applies to cached vector rows; streamed quantised rows hold
-    their gains (FWD_STREAM_HELD_WEIGHTS)."""
+    ``stream`` (fwd_stream) applies to cached vector rows.  Streamed quantised rows hold their
+    columns' gains (weight + offset) * xscale in registers for the whole program: the quantised
+    row is bound by instruction issue, and every quantised variant forms t = h * g, so the bits
+    do not depend on it (docs/performance.md: 2-5 points of copy at large M on the H200)."""
     layout = quant_row_layout(n, dtype, vendor) if quant else row_layout(n, dtype)
     # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
     # exactly threads x chunks; on AMD the branch-free row took the fp32 N = 4096 quantised
@@ -178,7 +169,7 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     exact = (vendor == "cuda" and bool(quant) and layout.cached and n % layout.chunk == 0
              and layout.n_chunks == layout.threads * layout.chunks_per_thread)
     stream = stream and vector and layout.cached
-    held = FWD_STREAM_HELD_WEIGHTS and stream and bool(quant) and bool(weight or xscale)
+    held = stream and bool(quant) and bool(weight or xscale)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
                    xscale=xscale, exact=exact, offset=offset or not (quant and weight),
@@ -211,16 +202,10 @@ BWD_BLOCKS_PER_SM = 2            # programs per SM for 512-thread rows of one ch
 BWD_REDUCE_COLUMNS = 32
 BWD_REDUCE_GROUPS = 8
 BWD_REDUCE_BATCH = 8
-# 16-bit cached vector rows keep x and dy as the loaded words between the passes (see
-# kernels/rmsnorm_bwd.py).  ptxas 13.5, sm_90, N=4096 bf16 (512 threads): 56 registers instead
-# of 69-77, so 2 blocks per SM instead of 1.
-BWD_PACK_16BIT = True
-# float32 rows take the same form (their words are the floats themselves: nothing saved, but the
-# prefetch below comes with it)
-BWD_PACK_32BIT = True
-# packed rows load the next row's words before reducing this one (two rows of loads in flight
-# per thread); see benchmarks/NOTES.md for the measurement
-BWD_PREFETCH = True
+# Cached rows (vector access; 16-bit scalar rows of BWD_PACK_SCALAR_MIN_CHUNKS or more) keep x
+# and dy as the loaded words between the passes (56 registers instead of 69-77 at N = 4096 bf16:
+# two blocks per SM) and load the next row's words, dresidual's and the next rstd ahead of this
+# row's reduction where BWD_PREFETCH_MAX_CHUNKS allows (docs/performance.md).
 # loads ahead of a row's reduction (the next row's words, dresidual's) only where a thread owns
 # at most this many chunks of the row: with two (float32 N = 8192, 16-bit N = 16384: 1024
 # threads) they do not fit the 64 registers of a 1024-thread block (ptxas 13.0: 8-132 B spilled
@@ -229,8 +214,6 @@ BWD_PREFETCH = True
 # 131.5; 1024x16384 54.2, 55.4 / 44.5, 44.4; float32 4096x8192 127.5, 127.2 / 106.3, 105.9;
 # 1024x8192 38.8, 38.0 / 34.4, 34.1; bf16 dresidual 4096x16384 197.9 / 195.7
 BWD_PREFETCH_MAX_CHUNKS = 1
-# packed dresidual rows load dresidual with x and dy, before the row's reduction
-BWD_EARLY_DRESIDUAL = True
 # packed 16-bit rows hold their weight's floats for the whole program only where a thread owns at
 # most this many chunks of the row; with two (N = 16384: 1024 threads) the held weight spilled
 # 36-56 B (ptxas 13.0) and they load it with each chunk instead (an L1 hit; float32 rows of two
@@ -239,13 +222,7 @@ BWD_EARLY_DRESIDUAL = True
 # 4096x16384 128.1, 128.9 / 118.6, 118.4 (75 -> 82% of copy); 8192x16384 243.1, 241.0 / 222.4,
 # 222.2; 1024x16384 44.0, 43.8 / 41.0, 41.1; dresidual level (163.5 / 163.8 at 4096x16384)
 BWD_HOLD_WEIGHT_MAX_CHUNKS = 1
-# prefetching rows (rstd given, no dresidual) load the next row's rstd with its words.  H200,
-# bf16, % of copy, next / in its row (results/tune_h200_20261130_s7/tune_bwd_rstd.json):
-# 32768x4096 95.6 / 94.8, 16384x8192 92.9 / 92.5, 8192x8192 88.8 / 87.5, 4096x4096 72.8 / 72.5,
-# 1024x8192 56.0 / 56.3.  The dresidual form lost 9-19 points with it (..._dres_rstd_scalar_ws
-# .json; ptxas 13.5 gives that form 62 registers and no spills: cause not established)
-BWD_PREFETCH_RSTD = True
-# rows with the next row's rstd (BWD_PREFETCH_RSTD), unpaired, of more than 64 registers a
+# rows with the next row's rstd (BwdSpec.prefetch_rstd), unpaired, of more than 64 registers a
 # thread: the dweight partial's fma in pass 1 and its stores with the last row's pass 1, ahead
 # of that row's reduction and dx (BwdSpec.early_dweight).  In 64 registers (16-bit N = 4096
 # rows of 512 threads, two blocks per SM) it spilled 12-24 B (ptxas 13.0); the 16-bit N = 8192
@@ -264,28 +241,13 @@ BWD_PREFETCH_RSTD = True
 # five rounds 74.4 [73.5, 74.7] (results/bwd_h200_20261203_0801.json, repeat_cases_s22.json).
 # AMD: not measured, not taken
 BWD_EARLY_DWEIGHT = {"cuda": True, "hip": False}
-# scalar (any-alignment) kernels move a 16-byte span of a row that lies inside the row (not a
-# row's first span, nor its last one or two) as aligned accesses: loaded as the two aligned
-# 16-byte blocks around it, funnel-shifted into place, stored in aligned pieces (one 128-bit
-# store when it is aligned, else 2-5).  The same elements land in the
-# same float32 slots as element-by-element access, so the same bits; what is read stays inside the
-# row (kernels/_rowops.ChunkIO).  False: element by element, as before session 15.  H200, bf16,
-# rows one element past 16 bytes (a view of an (M, N + 1) buffer) / contiguous N - 1, % of copy,
-# element by element -> shifted (results/tune_h200_20261201_s15/unaligned*.json; aligned rows
-# unchanged, every output bitwise the aligned call's):
-#   rms_norm 4096x4096 39 -> 53 / 26 -> 46, 32768x4096 45 -> 63 / 30 -> 52, 1024x8192 30 -> 48
-#   fused add 4096x4096 46 -> 60 / 27 -> 52, 32768x4096 51 -> 69 / 29 -> 56
-#   SmoothQuant int8 4096x4096 26 -> 31 / 25 -> 29, 32768x4096 29 -> 39 / 28 -> 37 (its levels
-#   stored as words too: _rowops.make_quant_store)
-#   backward 4096x4096 21 -> 26, 32768x4096 24 -> 29, 1024x8192 18 -> 29 / 17 -> 23
-SCALAR_SHIFTED_ACCESS = True
 # 16-bit scalar (unaligned) rows of at least this many chunks a thread keep x and dy as words,
 # per vendor.  At one chunk (16-bit N = 4096 unaligned) the words would let two 512-thread blocks
 # share an SM as the vector kernel's do (ptxas 13.0: 56-64 registers, no spills, under the
 # 2-block bound), where as floats they take 80-97 and one fits: since the grid no longer follows
 # the kernel's occupancy (bwd_programs) those rows run 264 programs in two waves, 4-10% slower
 # than 132 at small M (H200, results/tune_h200_20261130_s14/tune_bwd_unaligned.json).  Measured
-# at one chunk with the shifted spans (SCALAR_SHIFTED_ACCESS, which words under the 2-block bound
+# at one chunk with the shifted spans (scalar_shifted, which words under the 2-block bound
 # have no registers for), bf16 % of copy, floats / words (tune_bwd --unaligned, two runs each,
 # results/tune_h200_20261201_s15/tune_bwd_unaligned.json): 4096x4096 26.7, 26.8 / 24.6, 24.6;
 # 1024x4096 21.3, 21.4 / 16.7, 16.7; 32768x4096 30.5, 30.5 / 27.6, 27.8.  Words with the next row
@@ -465,7 +427,7 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
     # floats, x and dy took the 1024-thread block 148-240 B past its registers (ptxas 13.0,
     # N = 16384).  The words are read one element at a time and decoded as the vector form's
     # are: the same floats, so the same bits
-    packed = layout.cached and (BWD_PACK_16BIT if itemsize == 2 else BWD_PACK_32BIT) and (
+    packed = layout.cached and (
         vector or (itemsize == 2
                    and layout.chunks_per_thread >= BWD_PACK_SCALAR_MIN_CHUNKS[vendor]))
     # with rstd recomputed and dresidual too, the prefetch words take the kernel past 64
@@ -473,7 +435,7 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
     both = recompute_rstd and dresidual
     budget = _bwd_register_units(layout)
     ahead = layout.chunks_per_thread <= BWD_PREFETCH_MAX_CHUNKS * budget
-    prefetch = packed and BWD_PREFETCH and not both and ahead
+    prefetch = packed and not both and ahead
     if packed:
         hold_weight = (itemsize == 4
                        or layout.chunks_per_thread <= BWD_HOLD_WEIGHT_MAX_CHUNKS * budget)
@@ -486,15 +448,15 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
     # rows that pair (BWD_PAIRED_ROWS) do in their packed (vector) form; the scalar form keeps
     # one row a block (as floats it takes 80-97 registers: a 1024-thread block would spill) and
     # stands in for the pair: see BwdSpec.pair_twin
-    pairable = bool(pair and BWD_PAIRED_ROWS[vendor] and weight and itemsize == 2 and BWD_PACK_16BIT
+    pairable = bool(pair and BWD_PAIRED_ROWS[vendor] and weight and itemsize == 2
                     and layout.cached and layout.chunks_per_thread == 1
                     and 2 * layout.threads == MAX_THREADS and bwd_blocks_per_sm(layout) == 2)
     paired = pairable and packed
-    prefetch_rstd = prefetch and not recompute_rstd and not dresidual and BWD_PREFETCH_RSTD
+    prefetch_rstd = prefetch and not recompute_rstd and not dresidual
     return BwdSpec(layout=layout, rows=2 if paired else rows, dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
                    packed=packed, prefetch=prefetch,
-                   early_dres=packed and dresidual and BWD_EARLY_DRESIDUAL and ahead,
+                   early_dres=packed and dresidual and ahead,
                    prefetch_rstd=prefetch_rstd,
                    hold_weight=hold_weight, paired=paired, pair_twin=pairable and not packed,
                    stream_loads=bool(stream and packed and vector and itemsize == 2
@@ -562,12 +524,12 @@ def launch_bounds(spec):
 
 
 def scalar_shifted(spec):
-    """Whether a scalar kernel of ``spec`` moves the spans inside its rows as aligned blocks
-    (SCALAR_SHIFTED_ACCESS): not in backward blocks held to 64 registers a thread, where the
-    blocks' words spilled (ptxas 13.0, sm_90: 8-380 B in the float32 N = 8192 and the N = 16384
-    rows of 1024 threads), which stay element by element."""
-    if not SCALAR_SHIFTED_ACCESS:
-        return False
+    """Whether a scalar (any-alignment) kernel of ``spec`` moves the 16-byte spans inside its
+    rows as the two aligned blocks around each, funnel-shifted (kernels/_rowops.ChunkIO: the
+    same elements in the same float32 slots, so the same bits; 10-26 points of copy over
+    element-by-element access on the H200, docs/performance.md).  Not in backward blocks held
+    to 64 registers a thread, where the blocks' words spilled (ptxas 13.0, sm_90: 8-380 B in the
+    float32 N = 8192 and the N = 16384 rows of 1024 threads): those stay element by element."""
     threads, blocks = launch_bounds(spec)
     return threads is None or 65536 // (threads * (blocks or 1)) >= 128
 

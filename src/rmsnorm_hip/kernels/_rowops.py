@@ -5,15 +5,33 @@ quantised to 8 bits.
 A chunk is ``layout.chunk`` consecutive elements (16 bytes of x).  The vector form reads it with
 128-bit accesses; the scalar form runs at any element alignment (a ragged last chunk is
 zero-filled): a 16-byte span inside the row as the two aligned blocks around it, funnel-shifted
-(``_config.SCALAR_SHIFTED_ACCESS``), the row's edges element by element.  Both fill the same
+(``_config.scalar_shifted``), the row's edges element by element.  Both fill the same
 float32 slots, so every float32 operation after the load is the same and a row gives bitwise the
 same result whichever form ran.
 """
+import functools
+
 from numba import float32, int8, int32, uint8, uint16, uint32, uint64
 
 from .. import _dtypes
-from . import _config
 from ._config import CHUNK_BYTES, ceil_div
+
+_helpers = {}
+
+
+def shared(build):
+    """One helper object per (intrinsics namespace, arguments): every kernel built in a process
+    calls the same device functions, which numba then types and compiles once per signature
+    instead of once per kernel (half of a kernel's compile time over the catalog's variants).
+    The code is the same either way."""
+    @functools.wraps(build)
+    def helper(intr, *args, **kwargs):
+        key = (build.__name__, id(intr), args, tuple(sorted(kwargs.items())))
+        hit = _helpers.get(key)
+        if hit is None or hit[0] is not intr:
+            hit = _helpers[key] = (intr, build(intr, *args, **kwargs))
+        return hit[1]
+    return helper
 
 
 class ChunkIO:
@@ -36,13 +54,13 @@ class ChunkIO:
 
 
 def _shifted_access(intr):
-    """Whether scalar forms take aligned accesses around unaligned spans: the knob
-    (_config.SCALAR_SHIFTED_ACCESS), on a namespace with the intrinsics for them (not the CPU's)."""
-    return bool(_config.SCALAR_SHIFTED_ACCESS
-                and all(hasattr(intr, name) for name in ("align_offset", "load_b128",
-                                                         "store_b128", "store_b64", "store_b32")))
+    """Whether scalar forms can take aligned accesses around unaligned spans: on a namespace
+    with the intrinsics for them (not the CPU's)."""
+    return all(hasattr(intr, name) for name in ("align_offset", "load_b128", "store_b128",
+                                                "store_b64", "store_b32"))
 
 
+@shared
 def codec(intr, dtype):
     """(decode, encode, pack two) between float32 and an element of ``dtype`` as stored
     (pack two: None for float32, whose elements are whole words).  The 8-bit quantised dtypes
@@ -59,6 +77,7 @@ def codec(intr, dtype):
     return as_f32, as_f32, None
 
 
+@shared
 def _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream=False):
     jitable = intr.jitable
     itemsize = _dtypes.ITEMSIZE[dtype]
@@ -243,6 +262,7 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream=False):
     return load, store, load_words, words_to_floats
 
 
+@shared
 def make_chunk_dot(intr, chunk):
     """Pairwise sum of ``a[i + k] * b[j + k]`` over a chunk (chunk 4 or 8), each pair one
     explicit fma (see intrinsics fma: the same rounding whatever code surrounds it)."""
@@ -262,6 +282,24 @@ def make_chunk_dot(intr, chunk):
     return chunk_dot
 
 
+@shared
+def make_accumulate(intr, compensated):
+    """add(acc, comp, term) -> (acc, comp): a thread's running sum over its chunks.  Looped rows
+    (``compensated``: hundreds of chunks a thread at N = 2**21) carry Kahan's compensation, so the
+    error does not grow with the number of chunks; cached rows (at most a few chunks) add plainly
+    and ``comp`` stays 0."""
+    @intr.jitable
+    def add(acc, comp, term):
+        if compensated:
+            y = term - comp
+            t = acc + y
+            return t, (t - acc) - y
+        return acc + term, comp
+
+    return add
+
+
+@shared
 def make_chunk_sumsq(intr, chunk):
     """Pairwise sum of squares of ``vals[slot : slot + chunk]``."""
     chunk_dot = make_chunk_dot(intr, chunk)
@@ -289,6 +327,7 @@ def reduce_buffer_shape(intr, bufs, rows, threads):
     return (bufs, rows, 4 * ceil_div(warps, 4) if pad else warps)
 
 
+@shared
 def make_row_sum(intr, threads, row_barriers=False):
     """Sum a float32 over the ``threads`` threads of a row (threadIdx.x), every thread gets it.
     Lanes of a warp combine by xor-butterfly, warps of a row through ``red[buf, row_in_block, :]``
@@ -298,6 +337,7 @@ def make_row_sum(intr, threads, row_barriers=False):
     return _make_row_reduce(intr, threads, intr.warp_sum, _add(intr), row_barriers)
 
 
+@shared
 def make_row_sum_max(intr, threads):
     """``row_sum_max(s, mx, red, buf, ty, tx)``: the sum of ``s`` (as :func:`make_row_sum`, in the
     same order) and the max of ``mx`` (NaN winning) over the threads of a row, in one round: one
@@ -325,6 +365,7 @@ def make_row_sum_max(intr, threads):
     return row_sum_max
 
 
+@shared
 def _add(intr):
     @intr.jitable
     def add(a, b):
@@ -333,6 +374,7 @@ def _add(intr):
     return add
 
 
+@shared
 def _make_fold(intr, warps, combine):
     """``fold(red, b, ty)``: ``combine`` over ``red[b, ty, 0 .. warps - 1]`` in warp order, the
     partials read 4 at a time before they are combined, so that each 4 are one ld.shared.v4 on a
@@ -358,6 +400,7 @@ def _make_fold(intr, warps, combine):
     return fold
 
 
+@shared
 def _make_row_reduce(intr, threads, warp_reduce, combine, row_barriers=False):
     """``row_reduce(value, red, buf, ty, tx)``: ``warp_reduce`` over the lanes of each warp, then
     ``combine`` over the row's warps in warp order through shared memory."""
@@ -388,7 +431,8 @@ def _make_row_reduce(intr, threads, warp_reduce, combine, row_barriers=False):
 RNE_MAGIC = 12582912.0
 
 
-def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False):
+@shared
+def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=True):
     """``store(ptr, start, col0, vals, slot, inv)``: ``vals[slot : slot + chunk] * inv`` quantised
     to ``dtype`` (int8 or float8_e4m3fn, one byte each) at ``ptr[start + col0 ...]``.  The vector
     form packs a chunk into one 8-byte (chunk 8) or 4-byte (chunk 4) store; the scalar form stores
@@ -406,8 +450,8 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False):
     store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
     align_offset = getattr(intr, "align_offset", None)
     # the scalar form's whole chunks go out as aligned 8- / 4-byte pieces where the address allows
-    # (SCALAR_SHIFTED_ACCESS), where byte by byte each warp's store wrote 32 bytes over 256
-    shifted = _shifted_access(intr)
+    # (_config.scalar_shifted), where byte by byte each warp's store wrote 32 bytes over 256
+    shifted = shifted and _shifted_access(intr)
     pack_e4m3x2, f32_as_u32, fma = intr.pack_e4m3x2, intr.f32_as_u32, intr.fma
     magic = float32(RNE_MAGIC)
 

@@ -26,8 +26,8 @@ from numba import float32, int32, int64, types, uint32
 from .. import _dtypes
 from . import _config
 from ._config import BwdSpec, ReduceSpec
-from ._rowops import (ChunkIO, codec, make_chunk_dot, make_chunk_sumsq, make_row_sum,
-                      reduce_buffer_shape)
+from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_dot, make_chunk_sumsq,
+                      make_row_sum, reduce_buffer_shape)
 
 
 def _pointer(dtype):
@@ -74,7 +74,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     prefetch = spec.prefetch
     next_words = words if prefetch else 1
     # the next row's rstd (given by the forward) is loaded with its words rather than in its
-    # own row, where pass 2 waited on it (see _config.BWD_PREFETCH_RSTD)
+    # own row, where pass 2 waited on it (BwdSpec.prefetch_rstd)
     next_rstd = spec.prefetch_rstd
     # early dresidual (packed rows): the row's dresidual words are loaded with its x / dy, before
     # the reduction, instead of in pass 2 after it (where each row waited for them)
@@ -88,6 +88,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     assert not early_dw or (next_rstd and has_weight and not spec.paired), spec
     chunk_dot = make_chunk_dot(intr, chunk)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
+    accumulate = make_accumulate(intr, not cached)
     # paired rows (spec.paired: cached, weighted rows only): each row of the block at its own
     # barrier, one partial row
     paired = spec.paired
@@ -266,8 +267,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 if next_rstd:
                     r_next = rstd[row + step] if row + step < m else float32(0.0)
             # pass 1: sum(x * wdy) and, when recomputing rstd, sum(x * x)
-            s = float32(0.0)
-            ss = float32(0.0)
+            s = s_comp = float32(0.0)
+            ss = ss_comp = float32(0.0)
             for k in range(trips):
                 col0 = (tx + k * threads) * chunk
                 slot = k * chunk if cached else 0
@@ -287,9 +288,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                     if has_weight and not hold_w:
                         load_weight(weight, col0, wv, 0)
                     weighted(dt, wv, 0, slot if hold_w else 0, weight_offset, wdy)
-                    s += chunk_dot(xt, 0, wdy, 0)
+                    s, s_comp = accumulate(s, s_comp, chunk_dot(xt, 0, wdy, 0))
                     if recompute:
-                        ss += chunk_sumsq(xt, 0)
+                        ss, ss_comp = accumulate(ss, ss_comp, chunk_sumsq(xt, 0))
                     if early_dw and live:
                         for e in range(chunk):
                             acc[slot + e] = fma(dt[e], xt[e] * r_row, acc[slot + e])
@@ -299,9 +300,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 if has_weight and not hold_w:
                     load_weight(weight, col0, wv, 0)
                 weighted(dv, wv, slot, slot if hold_w else 0, weight_offset, wdy)
-                s += chunk_dot(xv, slot, wdy, 0)
+                s, s_comp = accumulate(s, s_comp, chunk_dot(xv, slot, wdy, 0))
                 if recompute:
-                    ss += chunk_sumsq(xv, slot)
+                    ss, ss_comp = accumulate(ss, ss_comp, chunk_sumsq(xv, slot))
             if early_dw and it == iters - 1:
                 store_partial(ws, ws_start, tx, acc)
             if recompute:

@@ -9,7 +9,8 @@ quantised (y never rounded before it; t is y without rstd, float32):
     t     = h * g,                                     y = t * rstd
     yscale = rstd * max|t| / QMAX  (max|y| / QMAX up to float32 rounding; 1 for an all-zero row)
     q     = clamp(rne(t * (rstd / yscale)))          (rne((t * rstd) / yscale) where
-                                                     rstd / yscale overflows)
+                                                     rstd / yscale overflows, both scaled
+                                                     by 2**64 for a subnormal yscale)
 
 Blocks of ``threads x rows`` threads (blockDim = (threads, rows)); thread ``t`` of a row owns
 chunks ``t, t + threads, ...``.  Pass 1 loads them, sums their squares and reduces across the
@@ -37,8 +38,8 @@ from numba import float32, int64, types, uint32
 
 from .. import _dtypes
 from ._config import FwdSpec
-from ._rowops import (ChunkIO, codec, make_chunk_sumsq, make_quant_store, make_row_sum,
-                      make_row_sum_max, reduce_buffer_shape)
+from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_sumsq, make_quant_store,
+                      make_row_sum, make_row_sum_max, reduce_buffer_shape)
 
 
 def argtypes(spec: FwdSpec):
@@ -76,6 +77,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
     s_io = ChunkIO(intr, spec.xscale or _dtypes.FLOAT32, chunk, n, spec.vector)
     chunk_sumsq = make_chunk_sumsq(intr, chunk)
+    accumulate = make_accumulate(intr, not cached)
     row_sum = make_row_sum(intr, threads)
     row_sum_max = make_row_sum_max(intr, threads)
     # int8 levels by one fma where a NaN-propagating max|t| tells which rows may take it
@@ -89,6 +91,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     round_x = spec.dtype != _dtypes.FLOAT32     # float32 h needs no second rounding
     n_f32 = float32(n)
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
+    one, two64, tiny = float32(1.0), float32(2.0 ** 64), float32(2.0 ** -126)
     n_red = 2 if quant else 1                   # sum and max: one shared buffer each
     stream = spec.stream
     held = spec.held_weights                    # streamed quantised rows only (FwdSpec)
@@ -144,7 +147,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     @jitable
     def sumsq_row(x, residual, x_start, r_start, live, tx, trips, vals, rvals):
         """This thread's share of the row's sum of squares (loading chunks when not cached)."""
-        acc = float32(0.0)
+        acc = comp = float32(0.0)
         for k in range(trips):
             slot = k * chunk if cached else 0
             if not cached:
@@ -154,7 +157,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 else:
                     for e in range(chunk):
                         vals[e] = float32(0.0)
-            acc += chunk_sumsq(vals, slot)
+            acc, comp = accumulate(acc, comp, chunk_sumsq(vals, slot))
         return acc
 
     @jitable
@@ -240,7 +243,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         (the same operations as sumsq_row) and max|t| over its chunks, t kept in vals when
         cached.  max_abs ignores NaN (a row holding NaN / Inf in h is caught by its sum of
         squares) unless fma_levels, where max|t| is NaN when a t is."""
-        acc = float32(0.0)
+        acc = comp = float32(0.0)
         amax = float32(0.0)
         for k in range(trips):
             col0 = (tx + k * threads) * chunk
@@ -252,7 +255,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 else:
                     for e in range(chunk):
                         vals[e] = float32(0.0)
-            acc += chunk_sumsq(vals, slot)
+            acc, comp = accumulate(acc, comp, chunk_sumsq(vals, slot))
             # held gains cost no loads: rows past M are weighed too (their h is zero and
             # nothing of them is stored) rather than branched around
             if (full or col0 < n) and (live or held):
@@ -264,11 +267,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     def make_quantise_row(through_y):
         @jitable
         def quantise_row(x, residual, weight, xscale, q, residual_out, x_start, r_start, q_start,
-                         ro_start, tx, trips, weight_offset, r, s, vals, rvals, wvals, svals,
+                         ro_start, tx, trips, weight_offset, r, s, pre, vals, rvals, wvals, svals,
                          gains):
             """A quantised row's last pass: q = t * s in 8-bit levels, s = rstd / yscale; or
-            ``through_y``, q = (t * rstd) * s with s = 1 / yscale.  Looped layouts recompute t
-            with sumsq_amax_row's operations, so the same bits."""
+            ``through_y``, q = ((t * rstd) * pre) * s with s = 1 / (yscale * pre), pre a power
+            of two that keeps s finite for a subnormal yscale (1 otherwise: exact).  Looped
+            layouts recompute t with sumsq_amax_row's operations, so the same bits."""
             for k in range(trips):
                 col0 = (tx + k * threads) * chunk
                 if full or col0 < n:
@@ -280,7 +284,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                                     svals, gains)
                     if through_y:
                         for e in range(chunk):
-                            vals[slot + e] = vals[slot + e] * r
+                            vals[slot + e] = (vals[slot + e] * r) * pre
                         store_q_converted(q, q_start, col0, vals, slot, s)
                     else:
                         store_q(q, q_start, col0, vals, slot, s)
@@ -318,13 +322,16 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 # from says so (a non-finite one takes the converting form, through y)
                 if math.isfinite(s) and (math.isfinite(scale) or not fma_levels):
                     quantise_row(x, residual, weight, xscale, y, residual_out, x_start, r_start,
-                                 y_start, ro_start, tx, trips, weight_offset, r, s, vals, rvals,
-                                 wvals, svals, gains)
+                                 y_start, ro_start, tx, trips, weight_offset, r, s, one, vals,
+                                 rvals, wvals, svals, gains)
                 else:   # max|t| below ~1e-36 (subnormal rows): rstd / yscale overflows;
-                    # or a t that is NaN / Inf
+                    # or a t that is NaN / Inf.  A subnormal yscale's reciprocal overflows too:
+                    # y and yscale are both scaled by 2**64 first
+                    pre = two64 if scale < tiny else one
                     quantise_row_through_y(x, residual, weight, xscale, y, residual_out, x_start,
                                            r_start, y_start, ro_start, tx, trips, weight_offset,
-                                           r, inv, vals, rvals, wvals, svals, gains)
+                                           r, one / (scale * pre), pre, vals, rvals, wvals, svals,
+                                           gains)
             return
         acc = sumsq_row(x, residual, x_start, r_start, live, tx, trips, vals, rvals)
         total = row_sum(acc, red, buf, ty, tx)
