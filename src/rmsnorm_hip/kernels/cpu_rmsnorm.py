@@ -134,8 +134,8 @@ def make_cpu_fused_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dt
     store_rstd, lo, hi): rows lo to hi, the forward's fused switches (see kernels/rmsnorm_fwd.py)
     on (M, N) storage views, rows may be strided.  A row is one pass writing h = round(x +
     residual) to residual_out (which may be residual), then rms_norm's row over h as stored;
-    quantised rows take max|y| in a pass before the one that writes q.  Each element is read before it is
-    written, so y may be x and residual_out residual."""
+    quantised rows take max|y| in a pass before the one that writes q.  Each element is read
+    before it is written, so y may be x and residual_out residual."""
     decode, encode, _ = codec(intr, dtype)
     encode_q = codec(intr, quant)[1] if quant else encode
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
