@@ -312,6 +312,11 @@ def empty(like, shape, dtype):
         with gpu.gpus[like.device_index]:
             out = gpu.device_array(shape, device_dtype(dtype, like.bits16))
         return out, _from_cai(out, "cai", out.__cuda_array_interface__, like.device_index, dtype)
+    if lib == "cai" and simulated():
+        out = SimulatedDeviceArray(np.empty(shape, device_dtype(dtype, like.bits16)))
+        info = _from_cai(out, "cai", out.__cuda_array_interface__, like.device_index, dtype)
+        info.host = out.array.view(_dtypes.STORAGE[dtype])
+        return out, info
     cupy = _cupy()
     if cupy is None:
         try:
@@ -343,6 +348,42 @@ def zero_fill(info):
         out.zero_()                      # torch
     else:                                # numba device arrays
         out.copy_to_device(np.zeros(info.shape, out.dtype))
+
+
+def simulated():
+    """Whether numba.cuda runs as the simulator in this process (its device memory is host
+    memory)."""
+    cuda = sys.modules.get("numba.cuda")
+    return bool(cuda is not None and getattr(getattr(cuda, "config", None), "ENABLE_CUDASIM", 0))
+
+
+def host_memory(info):
+    """The host memory behind a simulated device array's pointer, from its first element to its
+    last, in the storage dtype."""
+    nbytes = max(info.extent_bytes(), _dtypes.ITEMSIZE[info.dtype])
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(info.ptr))
+    return raw.view(_dtypes.STORAGE[info.dtype])
+
+
+class SimulatedDeviceArray:
+    """What a ``__cuda_array_interface__`` caller gets back when numba.cuda runs as the
+    simulator (which has no device memory of its own): host memory behind the interface.  Only
+    for testing kernel logic on a machine without a GPU; on a GPU such callers get CuPy arrays."""
+
+    def __init__(self, array):
+        self.array = array
+        self.__cuda_array_interface__ = dict(
+            shape=array.shape, typestr=array.dtype.str, strides=None, version=3,
+            data=(array.__array_interface__["data"][0], False))
+
+    shape = property(lambda self: self.array.shape)
+    dtype = property(lambda self: self.array.dtype)
+
+    def fill(self, value):
+        self.array.fill(value)
+
+    def copy_to_host(self):
+        return self.array.copy()
 
 
 def _back_to_library(like, out):

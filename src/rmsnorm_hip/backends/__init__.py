@@ -4,6 +4,8 @@ device decides (host memory -> cpu, CUDA -> cuda, ROCm -> hip).  One backend obj
 import os
 import threading
 
+from .. import _arrays
+
 NAMES = ("cuda", "hip", "cpu", "sim")
 ENV = "RMSNORM_HIP_BACKEND"
 _backends = {}
@@ -53,6 +55,8 @@ def for_array(info, fn):
                              f"pass CuPy/torch device arrays or use cpu")
         return get(name or "cpu")
     expected = "hip" if info.device == "rocm" else "cuda"
+    if name == "sim" and expected == "cuda" and _arrays.simulated():
+        return get("sim")       # numba.cuda runs as the simulator: its device memory is the host's
     if name not in (None, expected):
         raise ValueError(f"{fn}: {ENV}={name} cannot run {info.device} device arrays "
                          f"(use {expected})")

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from .. import _dtypes, intrinsics
+from .. import _arrays, _dtypes, intrinsics
 from ._gpu import GpuBackend
 
 
@@ -49,6 +49,8 @@ class SimBackend(GpuBackend):
         """The flat host memory of an array from its first element to its last."""
         if info is None:
             return np.zeros(1, _dtypes.STORAGE[dtype])
+        if info.host is None:   # a __cuda_array_interface__ array: simulated device memory
+            info.host = _arrays.host_memory(info)
         host = info.host
         extent = info.extent_bytes() // host.itemsize
         return np.lib.stride_tricks.as_strided(host, shape=(max(extent, 1),),
