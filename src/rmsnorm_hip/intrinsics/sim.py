@@ -229,25 +229,29 @@ def row_barrier(group, threads):
     _kernel_module().syncthreads()
 
 
+def _warp_state(warp, name, make):
+    """(the state ``name`` of the running thread's warp, its lane): ``make(lanes)`` builds it once
+    per warp of the running block (a block's last warp may be partial)."""
+    thread = threading.current_thread()
+    manager = thread._manager
+    warp_id, lane = divmod(thread.thread_id, warp)
+    states = manager.__dict__.setdefault(name, {})
+    state = states.get(warp_id)
+    if state is None:
+        with _lock:
+            state = states.get(warp_id)
+            if state is None:
+                bx, by, bz = (tuple(manager._block_dim) + (1, 1))[:3]
+                state = states[warp_id] = make(min(warp, bx * by * bz - warp_id * warp))
+    return state, lane
+
+
 def _make_shfl_xor(warp):
-    def warp_state():
-        thread = threading.current_thread()
-        manager = thread._manager
-        warp_id, lane = divmod(thread.thread_id, warp)
-        states = manager.__dict__.setdefault("_rmsnorm_warps", {})
-        state = states.get(warp_id)
-        if state is None:
-            with _lock:
-                state = states.get(warp_id)
-                if state is None:
-                    bx, by, bz = (tuple(manager._block_dim) + (1, 1))[:3]
-                    lanes = min(warp, bx * by * bz - warp_id * warp)
-                    state = (threading.Barrier(lanes, timeout=300), [None] * warp)
-                    states[warp_id] = state
-        return state[0], state[1], lane
+    def make(lanes):
+        return threading.Barrier(lanes, timeout=300), [None] * warp
 
     def shfl_xor(value, offset):
-        barrier, slots, lane = warp_state()
+        (barrier, slots), lane = _warp_state(warp, "_rmsnorm_warps", make)
         slots[lane] = value
         barrier.wait()
         src = lane ^ int(offset)
@@ -272,23 +276,13 @@ def _make_warp_reductions(warp, max_nan):
             offset >>= 1
         state["results"] = values
 
+    def make(lanes):
+        state = {"values": [None] * lanes}
+        state["barrier"] = threading.Barrier(lanes, action=lambda: butterfly(state), timeout=300)
+        return state
+
     def warp_state():
-        thread = threading.current_thread()
-        manager = thread._manager
-        warp_id, lane = divmod(thread.thread_id, warp)
-        states = manager.__dict__.setdefault("_rmsnorm_warp_reductions", {})
-        state = states.get(warp_id)
-        if state is None:
-            with _lock:
-                state = states.get(warp_id)
-                if state is None:
-                    bx, by, bz = (tuple(manager._block_dim) + (1, 1))[:3]
-                    lanes = min(warp, bx * by * bz - warp_id * warp)
-                    state = {"values": [None] * lanes}
-                    state["barrier"] = threading.Barrier(lanes, action=lambda: butterfly(state),
-                                                         timeout=300)
-                    states[warp_id] = state
-        return state, lane
+        return _warp_state(warp, "_rmsnorm_warp_reductions", make)
 
     def reduce(value, width, combine):
         state, lane = warp_state()
