@@ -15,9 +15,7 @@ Variants (``name``: what _config is patched to):
   oneshot_off1    the same with weight_offset = 1 (weight - 1: the same effective weight), i.e.
                   the kernel with the per-element offset add where there is one without
   stream          FWD_STREAM_ROWS_PER_SM all None (streamed at every M; quantised rows hold
-                  their gains, FWD_STREAM_HELD_WEIGHTS)
-  stream_loaded   the same with the gains off: streamed quantised rows load their weight and
-                  xscale in each live row
+                  their gains)
   shipped         the shipped grids and settings
   chunksK         the shipped grids (one-shot or streamed by M) with K chunks a thread in 16-bit
                   rows (CHUNKS_PER_THREAD; another per-row layout, so other bits)
@@ -54,7 +52,6 @@ def _patch(config, variant):
     for name in ("FWD_STREAM_ROWS_PER_SM", "CHUNKS_PER_THREAD"):
         _SHIPPED.setdefault(name, getattr(config, name))
         setattr(config, name, _SHIPPED[name])
-    config.FWD_STREAM_HELD_WEIGHTS = "_loaded" not in variant
     if variant.startswith("shipped"):
         return
     if variant.startswith("chunks"):        # chunksK: K chunks a thread for 16-bit rows
