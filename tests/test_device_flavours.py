@@ -165,6 +165,19 @@ def assert_unchanged(snapshots):
         np.testing.assert_array_equal(to_host(a, n).view(np.uint8), before.view(np.uint8))
 
 
+def two_rows_and_weight(rng, flavour, dtype, layout):
+    """Host (x, other, weight), this flavour's arrays of them, the dtype keyword, and snapshots
+    of those inputs."""
+    hosts = inputs(rng, dtype)
+    (x, kw), (o, _), (w, _) = (made(flavour, hosts[0], layout), made(flavour, hosts[1], layout),
+                               flavour.make(hosts[2]))
+    return hosts, (x, o, w), kw, unchanged([(a, dtype) for a in (x, o, w)])
+
+
+def assert_same_bits(a, b, name):
+    np.testing.assert_array_equal(to_host(a, name).view(np.uint8), to_host(b, name).view(np.uint8))
+
+
 CASES = [(f, d, lay) for f in FLAVOURS for d in DTYPES for lay in LAYOUTS]
 
 
@@ -203,11 +216,7 @@ def test_rms_norm(rng, case):
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] != "out"], ids=case_id)
 def test_fused_add_rms_norm(rng, case):
     flavour, dtype, layout = case
-    x_h, r_h, w_h = inputs(rng, dtype)
-    x, kw = made(flavour, x_h, layout)
-    r, _ = made(flavour, r_h, layout)
-    w, _ = flavour.make(w_h)
-    snap = unchanged([(x, dtype), (r, dtype), (w, dtype)])
+    (x_h, r_h, w_h), (x, r, w), kw, snap = two_rows_and_weight(rng, flavour, dtype, layout)
     y, residual_out = rmsnorm_hip.fused_add_rms_norm(x, r, w, 1e-6, dtype=kw)
     y_ref, h_ref, _ = reference.fused_add_rms_norm_ref(x_h, r_h, w_h, 1e-6)
     for out in (y, residual_out):
@@ -219,20 +228,14 @@ def test_fused_add_rms_norm(rng, case):
     xi, _ = made(flavour, x_h, layout)
     ri, _ = made(flavour, r_h, layout)
     assert rmsnorm_hip.fused_add_rms_norm_(xi, ri, w, 1e-6, dtype=kw) is None
-    np.testing.assert_array_equal(to_host(xi, dtype).view(np.uint8),
-                                  to_host(y, dtype).view(np.uint8))
-    np.testing.assert_array_equal(to_host(ri, dtype).view(np.uint8),
-                                  to_host(residual_out, dtype).view(np.uint8))
+    assert_same_bits(xi, y, dtype)
+    assert_same_bits(ri, residual_out, dtype)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] != "out"], ids=case_id)
 def test_rms_norm_backward(rng, case):
     flavour, dtype, layout = case
-    x_h, dy_h, w_h = inputs(rng, dtype)
-    x, kw = made(flavour, x_h, layout)
-    dy, _ = made(flavour, dy_h, layout)
-    w, _ = flavour.make(w_h)
-    snap = unchanged([(x, dtype), (dy, dtype), (w, dtype)])
+    (x_h, dy_h, w_h), (x, dy, w), kw, snap = two_rows_and_weight(rng, flavour, dtype, layout)
     dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w, dtype=kw)
     check_output(flavour, dx, dtype, (M, N))
     check_output(flavour, dw, dtype, (N,))
@@ -247,11 +250,7 @@ def test_rms_norm_backward(rng, case):
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] != "out"], ids=case_id)
 def test_rms_norm_quant(rng, case, quant):
     flavour, dtype, layout = case
-    x_h, r_h, w_h = inputs(rng, dtype)
-    x, kw = made(flavour, x_h, layout)
-    r, _ = made(flavour, r_h, layout)
-    w, _ = flavour.make(w_h)
-    snap = unchanged([(x, dtype), (r, dtype), (w, dtype)])
+    (x_h, r_h, w_h), (x, r, w), kw, snap = two_rows_and_weight(rng, flavour, dtype, layout)
     q, yscale, residual_out = rmsnorm_hip.rms_norm_quant(x, w, 1e-6, residual=r,
                                                          quant_dtype=quant, dtype=kw)
     assert isinstance(q, flavour.out_type()) and tuple(q.shape) == (M, N)

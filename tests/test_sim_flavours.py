@@ -59,6 +59,19 @@ def check(out, name, shape):
     assert np.dtype(cai["typestr"]) == STORED.get(name, np.dtype(name)), (name, cai["typestr"])
 
 
+def two_rows_and_weight(rng, dtype, layout):
+    """Host (x, other, weight), CAI arrays of them, and the dtype keyword."""
+    hosts = [random_array(rng, (M, N), dtype) for _ in range(2)]
+    hosts.append(random_array(rng, N, dtype, loc=1.0, scale=0.1))
+    (x, kw), (o, _), (w, _) = make(hosts[0], layout), make(hosts[1], layout), make(hosts[2],
+                                                                                   "contiguous")
+    return hosts, (x, o, w), kw
+
+
+def assert_same_bits(a, b, name):
+    np.testing.assert_array_equal(values(a, name).view(np.uint8), values(b, name).view(np.uint8))
+
+
 @pytest.fixture(autouse=True)
 def _on_the_simulator(use_backend):
     use_backend("sim")
@@ -69,9 +82,7 @@ CASES = [(d, lay) for d in DTYPES for lay in LAYOUTS]
 
 @pytest.mark.parametrize("dtype,layout", CASES)
 def test_rms_norm(rng, dtype, layout):
-    x_h = random_array(rng, (M, N), dtype)
-    w_h = random_array(rng, N, dtype, loc=1.0, scale=0.1)
-    (x, kw), (w, _) = make(x_h, layout), make(w_h, "contiguous")
+    (x_h, _, w_h), (x, _, w), kw = two_rows_and_weight(rng, dtype, layout)
     y, rstd = rmsnorm_hip.rms_norm(x, w, 1e-6, return_rstd=True, dtype=kw)
     check(y, dtype, (M, N))
     check(rstd, "float32", (M,))
@@ -81,18 +92,14 @@ def test_rms_norm(rng, dtype, layout):
     np.testing.assert_array_equal(values(x, dtype), x_h)
     out, _ = make(np.zeros_like(x_h), layout)
     assert rmsnorm_hip.rms_norm(x, w, 1e-6, out=out, dtype=kw) is out
-    np.testing.assert_array_equal(values(out, dtype).view(np.uint8),
-                                  values(y, dtype).view(np.uint8))
+    assert_same_bits(out, y, dtype)
     assert rmsnorm_hip.rms_norm(x, w, 1e-6, out=x, dtype=kw) is x      # in place
-    np.testing.assert_array_equal(values(x, dtype).view(np.uint8),
-                                  values(y, dtype).view(np.uint8))
+    assert_same_bits(x, y, dtype)
 
 
 @pytest.mark.parametrize("dtype,layout", CASES)
 def test_fused_add_rms_norm(rng, dtype, layout):
-    x_h, r_h = (random_array(rng, (M, N), dtype) for _ in range(2))
-    w_h = random_array(rng, N, dtype, loc=1.0, scale=0.1)
-    (x, kw), (r, _), (w, _) = make(x_h, layout), make(r_h, layout), make(w_h, "contiguous")
+    (x_h, r_h, w_h), (x, r, w), kw = two_rows_and_weight(rng, dtype, layout)
     y, residual_out = rmsnorm_hip.fused_add_rms_norm(x, r, w, 1e-6, dtype=kw)
     check(y, dtype, (M, N))
     check(residual_out, dtype, (M, N))
@@ -102,17 +109,13 @@ def test_fused_add_rms_norm(rng, dtype, layout):
     np.testing.assert_array_equal(values(x, dtype), x_h)
     np.testing.assert_array_equal(values(r, dtype), r_h)
     assert rmsnorm_hip.fused_add_rms_norm_(x, r, w, 1e-6, dtype=kw) is None
-    np.testing.assert_array_equal(values(x, dtype).view(np.uint8),
-                                  values(y, dtype).view(np.uint8))
-    np.testing.assert_array_equal(values(r, dtype).view(np.uint8),
-                                  values(residual_out, dtype).view(np.uint8))
+    assert_same_bits(x, y, dtype)
+    assert_same_bits(r, residual_out, dtype)
 
 
 @pytest.mark.parametrize("dtype,layout", CASES)
 def test_rms_norm_backward(rng, dtype, layout):
-    x_h, dy_h = (random_array(rng, (M, N), dtype) for _ in range(2))
-    w_h = random_array(rng, N, dtype, loc=1.0, scale=0.1)
-    (x, kw), (dy, _), (w, _) = make(x_h, layout), make(dy_h, layout), make(w_h, "contiguous")
+    (x_h, dy_h, w_h), (x, dy, w), kw = two_rows_and_weight(rng, dtype, layout)
     dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w, dtype=kw)
     check(dx, dtype, (M, N))
     check(dw, dtype, (N,))
@@ -125,9 +128,7 @@ def test_rms_norm_backward(rng, dtype, layout):
 @pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("dtype,layout", CASES)
 def test_rms_norm_quant(rng, dtype, layout, quant):
-    x_h, r_h = (random_array(rng, (M, N), dtype) for _ in range(2))
-    w_h = random_array(rng, N, dtype, loc=1.0, scale=0.1)
-    (x, kw), (r, _), (w, _) = make(x_h, layout), make(r_h, layout), make(w_h, "contiguous")
+    (x_h, r_h, w_h), (x, r, w), kw = two_rows_and_weight(rng, dtype, layout)
     q, yscale, residual_out = rmsnorm_hip.rms_norm_quant(x, w, 1e-6, residual=r,
                                                          quant_dtype=quant, dtype=kw)
     assert np.dtype(q.__cuda_array_interface__["typestr"]) == (
