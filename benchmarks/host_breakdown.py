@@ -32,9 +32,9 @@ def main():
     rmsnorm_hip.rms_norm(x, w, 1e-6)       # each call once, so that its runner exists
     rmsnorm_hip.rms_norm_backward(dy, x, w, rstd)
     rmsnorm_hip.fused_add_rms_norm(x, r, w)
-    env = os.environ.get(backends.ENV)
+    env = functional._backend_env()
     fwd_key = _arrays.fast_key(x, w, (False, env))
-    bwd_key = _arrays.fast_key(x, w, (env,), (dy, rstd, None))
+    bwd_key = _arrays.fast_key(x, w, (env, False), (dy, rstd, None))
     fwd_run = functional._fwd_runners[fwd_key]
     bwd_run = functional._bwd_runners[bwd_key]
     backend = backends.for_array(_arrays.describe(x, "x", None, "x"), "probe")
@@ -53,16 +53,17 @@ def main():
         "fwd: runner alone": lambda: fwd_run(x, w, 1e-6, 0.0),
         "bwd: runner alone": lambda: bwd_run(dy, x, w, rstd, None, 1e-6, 0.0),
         "fast_key (fwd)": lambda: _arrays.fast_key(x, w, (False, env)),
-        "fast_key (bwd)": lambda: _arrays.fast_key(x, w, (env,), (dy, rstd, None)),
-        "os.environ.get": lambda: os.environ.get(backends.ENV),
+        "fast_key (bwd)": lambda: _arrays.fast_key(x, w, (env, False), (dy, rstd, None)),
+        "backend variable": functional._backend_env,
         "x.shape, x.stride()": lambda: (x.dtype, x.shape, x.stride(), x.get_device()),
         "torch.empty (M, N) bf16": lambda: torch.empty((m, n), dtype=torch.bfloat16,
                                                       device=x.device),
         "torch.empty (N,) bf16": lambda: torch.empty((n,), dtype=torch.bfloat16, device=x.device),
+        "torch.empty_like (M, N)": lambda: torch.empty_like(x),
         "data_ptr x3": lambda: (ptr(x), ptr(w), ptr(dy)),
         "current raw stream": lambda: raw_stream(0),
         "ArgPack.pack": lambda: kernel.args.pack(params),
-        "pack + cuLaunchKernel (ctypes)": lambda: backend.launch(kernel, grid, block, params,
+        "pack + cuLaunchKernelEx (ctypes)": lambda: backend.launch(kernel, grid, block, params,
                                                                 stream),
     }
     results = {}

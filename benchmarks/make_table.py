@@ -9,6 +9,9 @@ newest run, preferring GPU runs to CPU runs, prints its markdown, and rewrites R
     python benchmarks/make_table.py --print-only    # print only
     python benchmarks/make_table.py --check         # exit 1 if README.md is not up to date
     python benchmarks/make_table.py --results FILE.json ...   # use these runs
+    python benchmarks/make_table.py --decode FILE.json        # print a decode run's table
+
+Decode runs (`rmsnorm-hip bench --decode --json FILE`) are left out of the per-op tables.
 """
 import argparse
 import glob
@@ -32,12 +35,33 @@ def newest_per_op(paths):
             result = json.load(f)
         if not isinstance(result, dict) or "environment" not in result or "op" not in result:
             continue  # tuning sweeps, ISA reports: not bench runs
+        if result.get("mode") == "decode":
+            continue  # its own table: --decode
         for run in result["runs"] if result["op"] == "all" else [result]:
             rank = (run["target"] != "cpu", run["environment"].get("date", ""))
             op = run["op"]
             if op not in chosen or rank > chosen[op][0]:
                 chosen[op] = (rank, path, run)
     return {op: (path, result) for op, (_, path, result) in sorted(chosen.items())}
+
+
+# the README's decode rows; benchmarks/results holds every case
+README_DECODE_SHAPES = {(1, 4096), (32, 4096), (512, 4096), (1, 8192), (512, 8192)}
+
+
+def newest_decode(paths):
+    """(path, result) of the newest decode run without PDL and of the newest with it (or None)."""
+    newest = {False: None, True: None}
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        if not isinstance(result, dict) or result.get("mode") != "decode":
+            continue
+        pdl = bool(result["method"].get("pdl"))
+        date = result["environment"].get("date", "")
+        if newest[pdl] is None or date > newest[pdl][1]["environment"].get("date", ""):
+            newest[pdl] = (path, result)
+    return newest[False], newest[True]
 
 
 def splice(text, op, block):
@@ -49,6 +73,18 @@ def splice(text, op, block):
     return f"{text[:start + len(begin)]}\n{block}\n{text[stop:]}"
 
 
+def print_decode(path):
+    """Prints the decode table of the run in `path`; 1 when it is no decode run."""
+    with open(path) as f:
+        result = json.load(f)
+    if not isinstance(result, dict) or result.get("mode") != "decode":
+        print(f"{path}: not a decode run (rmsnorm-hip bench --decode --json FILE)",
+              file=sys.stderr)
+        return 1
+    print(table.decode_markdown(result))
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     saved = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")))
@@ -57,7 +93,11 @@ def main(argv=None):
     parser.add_argument("--print-only", action="store_true")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if the README is not up to date")
+    parser.add_argument("--decode", metavar="FILE",
+                        help="print the markdown of this decode run (bench --decode --json FILE)")
     args = parser.parse_args(argv)
+    if args.decode:
+        return print_decode(args.decode)
 
     runs = newest_per_op(args.results)
     if not runs:
@@ -77,6 +117,14 @@ def main(argv=None):
             print(f"note: {args.readme} has no <!-- bench:{op}:begin/end --> markers",
                   file=sys.stderr)
         else:
+            updated = spliced
+    plain, pdl = newest_decode(args.results)
+    if plain is not None:
+        block = table.decode_markdown(plain[1], README_DECODE_SHAPES,
+                                      pdl[1] if pdl is not None else None)
+        print(f"<!-- decode: {os.path.relpath(plain[0], ROOT)} -->\n{block}\n")
+        spliced = splice(updated, "decode", block) if updated is not None else None
+        if spliced is not None:
             updated = spliced
     if args.check:
         return 0 if updated == readme else 1

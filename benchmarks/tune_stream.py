@@ -17,6 +17,8 @@ Variants (``name``: what _config is patched to):
   stream          FWD_STREAM_ROWS_PER_SM all None (streamed at every M; quantised rows hold
                   their gains)
   shipped         the shipped grids and settings
+  loaded          the shipped grids, streamed rows without a quantiser loading their weight with
+                  each row (after its reduction) instead of holding it for the program
   chunksK         the shipped grids (one-shot or streamed by M) with K chunks a thread in 16-bit
                   rows (CHUNKS_PER_THREAD; another per-row layout, so other bits)
 A trailing digit repeats a variant (``stream2``).  The session-6 run also measured programs
@@ -49,10 +51,19 @@ _SHIPPED = {}
 
 def _patch(config, variant):
     """Patches _config for ``variant`` (a trailing digit repeats a variant: ``stream2``)."""
-    for name in ("FWD_STREAM_ROWS_PER_SM", "CHUNKS_PER_THREAD"):
+    for name in ("FWD_STREAM_ROWS_PER_SM", "CHUNKS_PER_THREAD", "fwd_spec"):
         _SHIPPED.setdefault(name, getattr(config, name))
         setattr(config, name, _SHIPPED[name])
     if variant.startswith("shipped"):
+        return
+    if variant.startswith("loaded"):
+        from dataclasses import replace
+
+        def loaded(*args, **kwargs):
+            spec = _SHIPPED["fwd_spec"](*args, **kwargs)
+            return (replace(spec, held_weights=False) if spec.held_weights and not spec.quant
+                    else spec)
+        config.fwd_spec = loaded
         return
     if variant.startswith("chunks"):        # chunksK: K chunks a thread for 16-bit rows
         config.CHUNKS_PER_THREAD = {**_SHIPPED["CHUNKS_PER_THREAD"], 2: int(variant[6])}
@@ -62,6 +73,31 @@ def _patch(config, variant):
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
 
 
+def _graph_us(torch, fn, calls=50, replays=20):
+    """Median us per call of ``calls`` calls captured in one CUDA graph, over ``replays``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -69,6 +105,8 @@ def main():
     ap.add_argument("--variants", default=VARIANTS)
     ap.add_argument("--shapes", default="", help="MxN,... for every op (default: SHAPES)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
+    ap.add_argument("--graph", action="store_true",
+                    help="also us per call of 50 calls replayed in one CUDA graph")
     args = ap.parse_args()
 
     import torch
@@ -141,16 +179,18 @@ def main():
             t = timing.cuda_device_time(fn, flush)
             row = dict(op=op, m=m, n=n, dtype=str(dtype)[6:], variant=variant, us=t["us"],
                        GBps=nbytes / t["us"] / 1e3, bitwise_equal_to_first=same)
+            if args.graph:
+                row["graph_us"] = _graph_us(torch, fn)
             row["pct_copy"] = 100 * row["GBps"] / copy
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del x, extra
+        x = extra = None        # free the case before the next one
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"tune_stream{args.tag}.json"), "w") as f:
         json.dump(dict(copy_gbps=copy, rows=rows), f, indent=1)
     names = args.variants.split(",")
-    print(f"copy {copy:.0f} GB/s; % of copy")
+    print(f"copy {copy:.0f} GB/s; device us (flushed) / graph us per call")
     print(f"{'op':6s} {'shape':16s} " + " ".join(f"{v:>13s}" for v in names))
     for op, m, n, dtype in cases:
         cells = []
@@ -158,7 +198,8 @@ def main():
             r = [r for r in rows if (r["op"], r["m"], r["n"], r["dtype"], r["variant"])
                  == (op, m, n, str(dtype)[6:], v)]
             flag = "" if not r or r[0]["bitwise_equal_to_first"] in (None, True) else "!"
-            cells.append(f"{r[0]['pct_copy']:.1f}{flag}" if r else "-")
+            graph = f"/{r[0]['graph_us']:.2f}" if r and "graph_us" in r[0] else ""
+            cells.append(f"{r[0]['us']:.2f}{graph}{flag}" if r else "-")
         print(f"{op:6s} {f'{m}x{n} {str(dtype)[6:]}':16s} " + " ".join(f"{c:>13s}" for c in cells))
 
 

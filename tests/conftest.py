@@ -337,3 +337,8 @@ class HostIO:
     def allocator(shape, dtype):
         from rmsnorm_hip import _dtypes
         return lambda: np.empty(shape, _dtypes.NUMPY[dtype])
+
+    @staticmethod
+    def like_allocator(shape, dtype, like_x):
+        plain = HostIO.allocator(shape, dtype)
+        return (lambda x: np.empty_like(x)) if like_x else (lambda x: plain())

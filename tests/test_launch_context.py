@@ -5,11 +5,11 @@ real driver, so the launch must make its own context current around it, and leav
 as it was (tests/test_multi_gpu.py checks the same on two real GPUs)."""
 import ctypes
 import threading
-from types import SimpleNamespace
 
 import pytest
 
-from rmsnorm_hip.backends.cuda import CudaBackend
+from rmsnorm_hip.backends import cuda as cuda_backend
+from rmsnorm_hip.backends.cuda import CudaBackend, CudaKernel
 
 pytestmark = pytest.mark.quick
 
@@ -59,7 +59,7 @@ def fake_backend(stack, devices=2, fail=False):
     return backend, launched, queries
 
 
-KERNEL = SimpleNamespace(handle=1, name="k", args=SimpleNamespace(pack=lambda args: 0))
+KERNEL = CudaKernel(1, (), "", "k")
 
 
 @pytest.mark.parametrize("caller", [[OWN], [OTHER], [], [OWN, OTHER]],
@@ -85,3 +85,34 @@ def test_failed_launch_still_restores_the_callers_context():
     with pytest.raises(Exception):
         backend.launch(KERNEL, (1, 1, 1), (32, 1, 1), (), 0)
     assert launched == [OWN] and stack == [OTHER]
+
+
+def test_launch_config_is_the_drivers_layout():
+    """CUlaunchConfig / CUlaunchAttribute as cuda.h lays them out (x86-64), filled per grid and
+    block once, the PDL attribute only on kernels launched with it."""
+    assert ctypes.sizeof(cuda_backend._LaunchAttribute) == 72
+    assert cuda_backend._LaunchAttribute.value.offset == 8
+    config = cuda_backend._LaunchConfig
+    assert (config.stream.offset, config.attrs.offset, config.num_attrs.offset,
+            ctypes.sizeof(config)) == (32, 40, 48, 56)
+    plain, address = CudaKernel(1, (), "", "k").config((3, 2, 1), (128, 2, 1))
+    assert (list(plain.grid), list(plain.block), plain.num_attrs) == ([3, 2, 1], [128, 2, 1], 0)
+    assert address == ctypes.addressof(plain)
+    kernel = CudaKernel(1, (), "", "k", programmatic=True)
+    pdl, _ = kernel.config((5, 1, 1), (64, 1, 1))
+    assert kernel.config((5, 1, 1), (64, 1, 1))[0] is pdl     # built once per shape
+    attribute = cuda_backend._LaunchAttribute.from_address(pdl.attrs)
+    assert pdl.num_attrs == 1 and attribute.id == 6 and attribute.value[0] == 1
+
+
+@pytest.mark.parametrize("value,expected", [("", False), ("0", False), ("off", False),
+                                            ("1", True), ("TRUE", True), (" on ", True)])
+def test_pdl_switch_reads_its_variable(monkeypatch, value, expected):
+    monkeypatch.setenv("RMSNORM_HIP_PDL", value)
+    assert cuda_backend.pdl_requested() is expected
+
+
+def test_pdl_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("RMSNORM_HIP_PDL", "2")
+    with pytest.raises(ValueError, match="RMSNORM_HIP_PDL must be 1 or 0.*got '2'"):
+        cuda_backend.pdl_requested()

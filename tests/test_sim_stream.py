@@ -48,8 +48,8 @@ def _run(be, op, inputs, stream, monkeypatch):
     with launched_specs(be) as specs:
         out = _call(op, *inputs)
     assert len(specs) == 1 and specs[0].stream == stream, specs
-    # quantised rows stream holding their gains (FwdSpec.held_weights, rows past M weighed too)
-    assert specs[0].held_weights == (stream and op.startswith("quant")), specs
+    # streamed rows hold their gains (FwdSpec.held_weights; quantised rows past M weighed too)
+    assert specs[0].held_weights == stream, specs
     return out, specs[0]
 
 
@@ -123,13 +123,14 @@ def test_stream_is_chosen_for_cached_vector_rows_only():
     assert _config.fwd_programs(cached, 10_000, 132, 6) == 132 * 6
     assert _config.fwd_programs(cached, 100, 132, 6) == 100
     assert _config.fwd_programs(looped, 10_000, 132, 6) == 10_000
-    # held gains: streamed quantised rows with a weight or an xscale to hold, only
+    # held gains: streamed rows with a weight or an xscale to hold, only
     def held(vector=True, quant="int8", weight=BFLOAT16, xscale=FLOAT32):
         return _config.fwd_spec(4096, BFLOAT16, weight, vector, False, quant=quant,
                                 xscale=xscale if quant else "", stream=True).held_weights
-    assert held() and held(weight="") and held(xscale="")
-    assert not held(quant="") and not held(vector=False) and not held(weight="", xscale="")
-    with pytest.raises(ValueError, match="held_weights needs a streamed quantised spec"):
+    assert held() and held(weight="") and held(xscale="") and held(quant="")
+    assert not held(vector=False) and not held(weight="", xscale="")
+    assert not held(quant="", weight="")
+    with pytest.raises(ValueError, match="held_weights needs a streamed spec"):
         dataclasses.replace(looped, held_weights=True)
     limits = _config.FWD_STREAM_ROWS_PER_SM
     for vendor, kinds in limits.items():

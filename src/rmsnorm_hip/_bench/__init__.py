@@ -5,8 +5,9 @@ Python::
     from rmsnorm_hip._bench import run
     result = run(op="fwd", shapes=None, dtypes=None, json_path=None, plot_path=None,
                  compare=True, progress=True)
+    result = run(decode=True)          # the decode mode, below
 
-- ``op``: a key of ``ops.OPS`` (``"fwd"`` now; ``"bwd"``, ``"fused"``, ``"quant"`` once registered).
+- ``op``: a key of ``ops.OPS`` (None: ``"fwd"``) or ``"all"`` (``ops.ALL``).
 - ``shapes``: ``[(M, N) or "MxN", ...]``; None: the target's default cases (``runner.CUDA_CASES``,
   ``runner.CPU_CASES``).
 - ``dtypes``: ``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"``, ``"float32"``/``"fp32"``.
@@ -17,9 +18,12 @@ Python::
 - ``compare``: True, every peer of the op; False, ours only; or peer names (``"torch"`` also selects
   ``"torch_compile"``).
 - ``progress``: a tqdm bar on a terminal, one printed line per case otherwise.
-- keyword-only: ``device`` ("auto", "cuda", "cpu"), ``iters`` (profiled calls per timing, 20),
-  ``flush`` ("write" or "read": the L2 flush kernel, see ``timing.L2Flush``), ``host_overhead``
-  (True), ``seed`` (0), ``print_table`` (True: the compact table at the end).
+- keyword-only: ``device`` ("auto", "cuda", "cpu"), ``iters`` (profiled calls per timing, 20;
+  decode 10), ``flush`` ("write" or "read": the L2 flush kernel, see ``timing.L2Flush``),
+  ``host_overhead`` (True), ``seed`` (0), ``print_table`` (True: the compact table at the end),
+  ``pdl`` (False; True sets ``RMSNORM_HIP_PDL=1`` before our library's first call, recorded in
+  ``method.pdl``), and for the decode mode ``decode`` (False), ``graph_calls`` (50),
+  ``graph_replays`` (10), ``host_calls`` (300), ``host_repeats`` (5).
 
 Command line: ``rmsnorm-hip bench [...]`` calls ``runner.main(argv)``; so does
 ``python -m rmsnorm_hip._bench [...]`` (``--help`` lists the options).
@@ -41,6 +45,19 @@ Method (benchmarks/NOTES.md has the reasons):
   2 GiB (bytes read + written) measured in the same run.
 - Host overhead at M=1 and M=32, N=4096 bf16: wall-clock per call of 1000 back-to-back calls and
   one sync (median of 3 runs), plus the device time.
+
+Decode mode (``--decode``, decode.py; CUDA only): ops fwd, fused, fused_inplace (ours in place,
+against the out-of-place fused peers), quant and bwd (``--ops``), at M 1, 8, 32, 128, 512 x
+N 2048, 4096, 5120, 8192, bf16.  Checked as above, then four figures per call: ``graph_us``, the
+replay time of 50 calls captured in one CUDA graph / 50 (median of 10 replays, after warm-up on
+the capture stream), what a serving engine's decode step sees; ``us``, the flushed device time
+above; ``warm_us``, the device time with no flush (a one-element marker kernel separates the
+calls in the trace); ``host_us``, 300 eager calls and one sync (median of 5 rounds that take
+the implementations in turn, garbage collection off).  Checks, graph and host figures of all
+cases run before the first profiler session, which may leave CUPTI attached and add to the
+host cost of every later launch.  Its result has
+``mode`` "decode", ``ops`` and flat ``records`` (``op`` and the four figures in each, None where
+not measured); the tables give best peer / ours per figure.
 
 Result (the JSON): ``schema``, ``op``, ``target``, ``environment`` (device, versions, date, ...),
 ``method``, ``copy`` (``gbps``), ``records`` (one per case and implementation: ``M``, ``N``,

@@ -9,6 +9,8 @@ An `Op` holds everything the runner needs to benchmark one entry point against i
 - `reference(target, *args)`: the float64 result computed from the same (rounded) inputs.
 - `ours` and `peers`: `{target name: {implementation name: factory}}` (peers.py).
 - `tolerance`: `{dtype: largest relative error ||out - ref|| / ||ref|| that passes}`.
+- `in_place`: an implementation may write its inputs, so each is checked on fresh copies
+  (`fresh_inputs`); timings run on the case's inputs, whose values then drift (times do not).
 
 An op with several outputs returns a tuple from its implementations and its reference; the error is
 the largest over the outputs.
@@ -34,6 +36,7 @@ class Op:
     ours: Mapping[str, Mapping[str, Callable]]
     peers: Mapping[str, Mapping[str, Callable]]
     tolerance: Mapping[str, float] = field(default_factory=lambda: dict(TOLERANCE))
+    in_place: bool = False
 
     def max_rel_err(self, target, outputs, reference):
         """Largest relative error over the outputs; NaN (which fails every check) on a mismatch."""
@@ -46,6 +49,13 @@ class Op:
 
     def passes(self, dtype, rel_err):
         return rel_err < self.tolerance[dtype]  # False for NaN
+
+    def fresh_inputs(self, args):
+        """args, or copies of its arrays for an op that writes its inputs."""
+        if not self.in_place:
+            return args
+        return tuple(a.clone() if hasattr(a, "clone") else a.copy() if hasattr(a, "copy") else a
+                     for a in args)
 
 
 def _rms_norm_inputs(target, M, N, dtype, seed):
@@ -220,8 +230,29 @@ OPS = {
                "cpu": {"numpy": peers.numpy_fused_add_rms_norm,
                        "torch": peers.on_host(peers.torch_fused_add_rms_norm)}},
     ),
+    # vLLM's in-place contract (x <- y, residual <- residual_out). No peer has an in-place form:
+    # the peers are the out-of-place "fused" ones, timed again in these cases, so that the table
+    # says what the in-place call saves over the calls a model would otherwise make.
+    "fused_inplace": Op(
+        name="fused_inplace",
+        summary="fused_add_rms_norm_(x, residual, weight, eps): residual <- x + residual, "
+                "x <- rms_norm(residual), in place; peers: the out-of-place fused_add_rms_norm",
+        bytes_formula="4*M*N*e + N*e (read x, residual, weight; write x, residual)",
+        bytes_moved=lambda M, N, e: 4 * M * N * e + N * e,
+        make_inputs=_fused_inputs,
+        reference=_fused_reference,
+        ours={"cuda": {"ours": peers.ours_fused_add_rms_norm_inplace},
+              "cpu": {"ours": peers.ours_fused_add_rms_norm_inplace}},
+        peers={"cuda": {"torch": peers.torch_fused_add_rms_norm,
+                        "torch_compile": peers.torch_compile_fused_add_rms_norm,
+                        "liger": peers.liger_fused_add_rms_norm,
+                        "quack": peers.quack_fused_add_rms_norm},
+               "cpu": {"numpy": peers.numpy_fused_add_rms_norm,
+                       "torch": peers.on_host(peers.torch_fused_add_rms_norm)}},
+        in_place=True,
+    ),
     "quant": _quant_op("quant", "int8"),
     "quant_fp8": _quant_op("quant_fp8", "float8_e4m3fn"),
 }
-# `--op all` runs these in order
+# `--op all` runs these in order; fused_inplace only when named (`--op`, `--decode`)
 ALL = ("fwd", "bwd", "bwd_dres", "fused", "quant", "quant_fp8")

@@ -160,8 +160,6 @@ def torch_rms_norm_backward_dres():
 
 def _backward_formula(dy, x, weight, rstd, dresidual=None):
     """The backward graph of F.rms_norm written out (what inductor fuses for torch.compile)."""
-    import torch
-
     xf, r = x.float(), rstd.unsqueeze(-1)
     x_hat = xf * r
     wdy = dy.float() * weight.float()
@@ -259,6 +257,17 @@ def ours_fused_add_rms_norm():
     import rmsnorm_hip
 
     return rmsnorm_hip.fused_add_rms_norm
+
+
+def ours_fused_add_rms_norm_inplace():
+    """In place (vLLM's contract); returns the written arrays for the check."""
+    import rmsnorm_hip
+
+    def fused_(x, residual, weight, eps):
+        rmsnorm_hip.fused_add_rms_norm_(x, residual, weight, eps)
+        return x, residual
+
+    return fused_
 
 
 def _fused_add_composite(x, residual, weight, eps):

@@ -4,7 +4,7 @@ For each case (M, N, dtype): draw random inputs, compute the float64 reference, 
 implementation's error against the op's tolerance, then time those that passed (on CUDA after a
 discarded warm-up timing of each). A missing or failing implementation gets a record with its
 error; the run goes on. Then the host overhead at small M. See the package docstring
-(rmsnorm_hip._bench) for the API and the output.
+(rmsnorm_hip._bench) for the API and the output; decode.py has the small-batch mode (`--decode`).
 """
 import argparse
 import json
@@ -23,6 +23,7 @@ CUDA_CASES = {
     "bwd": tuple((M, N, "bfloat16") for M, N in _LLM) + ((4096, 4096, "float32"),),
     "bwd_dres": tuple((M, N, "bfloat16") for M, N in _LLM),
     "fused": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
+    "fused_inplace": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
     "quant": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
     "quant_fp8": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
 }
@@ -31,21 +32,42 @@ _CPU_FWD = ((4096, 4096, "bfloat16"), (1024, 4096, "bfloat16"), (256, 8192, "bfl
             (1000, 5000, "bfloat16"), (1024, 4096, "float32"))
 CPU_CASES = {"fwd": _CPU_FWD,
              **{op: ((1024, 4096, "bfloat16"), (256, 8192, "bfloat16"), (1024, 4096, "float32"))
-                for op in ops.ALL if op != "fwd"}}
+                for op in ops.OPS if op != "fwd"}}
 # Host overhead: decode-sized batches, where launch cost decides; in an `all` run for the ops
 # listed only (the others share their host path).
 HOST_CASES = ((1, 4096, "bfloat16"), (32, 4096, "bfloat16"))
 HOST_OPS = ("fwd", "bwd")
 
+# Read by backends.cuda when it makes a backend (not imported here: that imports numba-cuda).
+PDL_ENV = "RMSNORM_HIP_PDL"
+
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                  "float": "float32", **{name: name for name in targets.DTYPE_NAMES}}
 
 
-def run(op="fwd", shapes=None, dtypes=None, json_path=None, plot_path=None, compare=True,
-        progress=True, *, device="auto", iters=20, flush="write", host_overhead=True, seed=0,
-        print_table=True):
-    """Benchmarks `op` ("all": every op in turn, one result holding each op's); returns the
-    result dict (see the package docstring)."""
+def run(op=None, shapes=None, dtypes=None, json_path=None, plot_path=None, compare=True,
+        progress=True, *, device="auto", iters=None, flush="write", host_overhead=True, seed=0,
+        print_table=True, decode=False, pdl=False, graph_calls=50, graph_replays=10,
+        host_calls=300, host_repeats=5):
+    """Benchmarks `op` (None: "fwd"; "all": every op in turn, one result holding each op's);
+    returns the result dict (see the package docstring).  decode=True: the small-batch mode of
+    decode.py, where `op` is None or "all" (its default ops), a name, "a,b" or a list."""
+    if pdl:  # before our library's first call in this process: a backend reads it when made
+        os.environ[PDL_ENV] = "1"
+    if decode:
+        from . import decode as decode_mode
+
+        if plot_path:
+            raise ValueError("run: the decode mode draws no plot")
+        iters = decode_mode.Counts.iters if iters is None else iters
+        counts = decode_mode.Counts(iters=iters, graph_calls=graph_calls,
+                                    graph_replays=graph_replays, host_calls=host_calls,
+                                    host_repeats=host_repeats)
+        return decode_mode.run(op, shapes, dtypes, json_path, compare, progress, device=device,
+                               flush=flush, counts=counts, host=host_overhead, seed=seed,
+                               print_table=print_table)
+    op = "fwd" if op is None else op
+    iters = 20 if iters is None else iters
     if op != "all" and op not in ops.OPS:
         raise ValueError(f"run: op must be 'all' or one of {sorted(ops.OPS)}, got {op!r}")
     target = targets.make_target(device, flush_mode=flush, iters=iters)
@@ -101,6 +123,7 @@ def _run_op(target, op, shapes, dtypes, json_path, plot_path, compare, progress,
             "warm_up_pass": target.warm_up_pass,   # device timings; not the host cases
             "tolerance": dict(spec.tolerance),
             "seed": seed,
+            "pdl": os.environ.get(PDL_ENV),  # RMSNORM_HIP_PDL as the run saw it
         },
         "copy": target.copy_bandwidth(),
         "records": [],
@@ -145,7 +168,7 @@ def _run_case(spec, target, impls, case, seed, is_host_case, copy_gbps):
     records = {}
     for name, impl in impls.items():
         record = {"op": spec.name, "M": M, "N": N, "dtype": dtype, "impl": name, "bytes": nbytes}
-        record.update(_check(spec, target, impl, args, reference, dtype))
+        record.update(_check(spec, target, impl, spec.fresh_inputs(args), reference, dtype))
         records[name] = record
     passed = {name: impls[name] for name, record in records.items() if record["ok"]}
     if target.warm_up_pass and not is_host_case:
@@ -318,15 +341,37 @@ class _Progress:
 def main(argv=None):
     """Command line: `rmsnorm-hip bench ...` or `python -m rmsnorm_hip._bench ...`.
 
-    Exit status 1 when our array API ("ours") is missing or fails a check, else 0.
+    Exit status 1 when our array API ("ours") is missing or fails a check, 2 on bad arguments
+    (also --decode without a CUDA GPU), else 0.
     """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+
+    def split(values):
+        return None if values is None else [v for value in values for v in value.split(",") if v]
+
+    result = run(op=args.ops or args.op, shapes=split(args.shapes), dtypes=split(args.dtypes),
+                 json_path=args.json_path, plot_path=args.plot_path, compare=args.compare,
+                 progress=args.progress, device=args.device, iters=args.iters, flush=args.flush,
+                 host_overhead=args.host_overhead, seed=args.seed, decode=args.decode,
+                 pdl=args.pdl, graph_calls=args.graph_calls, graph_replays=args.graph_replays,
+                 host_calls=args.host_calls, host_repeats=args.host_repeats)
+    runs = result["runs"] if result["op"] == "all" else [result]
+    ours = [r for run_ in runs for r in run_["records"] + run_.get("host_overhead", [])
+            if r["impl"] == "ours"]
+    return 0 if ours and all(r["ok"] for r in ours) else 1
+
+
+def _parser():
     parser = argparse.ArgumentParser(
         prog="rmsnorm-hip bench",
         description="Device time per call, GB/s and % of the measured copy bandwidth, "
-                    "side by side with the peers found installed.")
-    parser.add_argument("--op", default="fwd", choices=sorted(ops.OPS) + ["all"],
-                        help="fwd (default), bwd, bwd_dres (fused-add backward), fused, quant "
-                             "(SmoothQuant int8), quant_fp8, or all")
+                    "side by side with the peers found installed; --decode: small batches, "
+                    "in a CUDA graph, flushed, warm and host time per call.")
+    parser.add_argument("--op", default=None, choices=sorted(ops.OPS) + ["all"],
+                        help="fwd (default), bwd, bwd_dres (fused-add backward), fused, "
+                             "fused_inplace, quant (SmoothQuant int8), quant_fp8, or all")
     parser.add_argument("--shapes", nargs="+", metavar="MxN",
                         help="MxN, space or comma separated (default: the target's cases)")
     parser.add_argument("--dtypes", nargs="+", metavar="DTYPE",
@@ -337,23 +382,65 @@ def main(argv=None):
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="write the results here")
     parser.add_argument("--plot", dest="plot_path", metavar="FILE", help="write a GB/s plot (PNG)")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    parser.add_argument("--iters", type=int, default=20, help="profiled calls per timing (CUDA)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="profiled calls per timing (CUDA; default 20, --decode 10)")
     parser.add_argument("--flush", default="write", choices=("write", "read"),
                         help="L2 flush kernel: 'write' (add, as research/peers-h200.md) or 'read'")
     parser.add_argument("--no-host", dest="host_overhead", action="store_false",
-                        help="skip the small-M host-overhead cases")
+                        help="skip the small-M host-overhead cases (--decode: the host figure)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", dest="progress", action="store_false")
-    args = parser.parse_args(argv)
+    parser.add_argument("--pdl", action="store_true",
+                        help=f"set {PDL_ENV}=1 (programmatic dependent launch, sm_90 and later) "
+                             "before our library's first call; recorded in the JSON")
+    group = parser.add_argument_group(
+        "decode mode", "M in 1..512 x N in 2048..8192 (bf16 unless --shapes / --dtypes), "
+                       "needs a CUDA GPU")
+    group.add_argument("--decode", action="store_true",
+                       help="per call: graph_us (CUDA graph), us (device, L2 flushed), warm_us "
+                            "(device, no flush), host_us (eager calls + one sync)")
+    group.add_argument("--ops", metavar="OPS",
+                       help="comma separated (default: " + ",".join(_decode_ops()) + ")")
+    group.add_argument("--graph-calls", type=int, default=50, metavar="N",
+                       help="calls captured in one CUDA graph (default 50)")
+    group.add_argument("--graph-replays", type=int, default=10, metavar="R",
+                       help="timed replays of the graph, median kept (default 10)")
+    group.add_argument("--host-calls", type=int, default=300, metavar="N",
+                       help="eager calls per host timing (default 300)")
+    group.add_argument("--host-repeats", type=int, default=5, metavar="R",
+                       help="host timing rounds over the implementations, median kept "
+                            "(default 5)")
+    return parser
 
-    def split(values):
-        return None if values is None else [v for value in values for v in value.split(",") if v]
 
-    result = run(op=args.op, shapes=split(args.shapes), dtypes=split(args.dtypes),
-                 json_path=args.json_path, plot_path=args.plot_path, compare=args.compare,
-                 progress=args.progress, device=args.device, iters=args.iters, flush=args.flush,
-                 host_overhead=args.host_overhead, seed=args.seed)
-    runs = result["runs"] if result["op"] == "all" else [result]
-    ours = [r for run_ in runs for r in run_["records"] + run_["host_overhead"]
-            if r["impl"] == "ours"]
-    return 0 if ours and all(r["ok"] for r in ours) else 1
+def _decode_ops():
+    from . import decode as decode_mode
+
+    return decode_mode.DEFAULT_OPS
+
+
+def _check_args(parser, args):
+    """parser.error (exit 2, one line on stderr) for what argparse cannot check itself."""
+    for name in ("iters", "graph_calls", "graph_replays", "host_calls", "host_repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if not args.decode:
+        if args.ops:
+            parser.error("--ops goes with --decode (one op without it: --op)")
+        return
+    from . import decode as decode_mode
+
+    if args.plot_path:
+        parser.error("--decode draws no plot")
+    if args.ops and args.op:
+        parser.error("--decode: give --ops or --op, not both")
+    try:
+        decode_mode.op_names(args.ops or args.op)
+    except ValueError as error:
+        parser.error(str(error))
+    if not decode_mode.cuda_available(args.device):
+        # The arguments are fine, the machine is not: the error line without the usage.
+        where = "--device cpu" if args.device == "cpu" else "torch sees no CUDA GPU"
+        parser.exit(2, f"{parser.prog}: error: --decode needs a CUDA GPU (CUDA graphs and device "
+                       f"time): {where}\n")

@@ -1,7 +1,8 @@
 """Result tables (plain text for the terminal, markdown for the README) and the GB/s plot.
 
 All of them read the result dict that runner.run returns (and writes as JSON), so
-benchmarks/make_table.py can rebuild the README's tables from saved runs.
+benchmarks/make_table.py can rebuild the README's tables from saved runs.  A decode run
+(decode.py) has its own: `decode_text_report`, `decode_markdown`.
 """
 from .targets import SHORT_DTYPE
 
@@ -96,12 +97,12 @@ def _markdown_table(header, rows, right_from=1):
     return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in [header, align] + rows)
 
 
-def _errors(records):
+def _errors(records, with_op=False):
     """One line per (implementation, error), naming the cases it happened in."""
     grouped = {}
     for record in records:
         if not record["ok"]:
-            case = " ".join(_case_label(_case_key(record)))
+            case = " ".join(((record["op"],) if with_op else ()) + _case_label(_case_key(record)))
             grouped.setdefault((record["impl"], record["error"]), []).append(case)
     return [f"  {impl}: {error}  [{', '.join(cases)}]" for (impl, error), cases in grouped.items()]
 
@@ -192,3 +193,126 @@ def _plot_run(ax, result):
     ax.set_ylabel("GB/s (minimal bytes)")
     ax.set_title(f"rms_norm {result['op']}, {result['environment'].get('device')}", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
+
+
+# ---- decode mode (decode.py): ours against the best peer, per figure ----
+
+DECODE_FIGURES = {"graph_us": "graph", "us": "flushed", "warm_us": "warm", "host_us": "host"}
+MARKDOWN_DECODE_FIGURES = ("graph_us", "us", "host_us")
+FUSED_INPLACE_NOTE = ("fused_inplace: ours in place (`fused_add_rms_norm_`); the peers are the "
+                      "out-of-place fused calls.")
+
+
+def _decode_groups(records):
+    """{(op, M, N, dtype): {impl: record}} in run order."""
+    groups = {}
+    for record in records:
+        groups.setdefault((record["op"],) + _case_key(record), {})[record["impl"]] = record
+    return groups
+
+
+def decode_best(group, figure):
+    """(ours, best peer, the peer's name) for one figure of one case, None where not measured.
+    The peers are the implementations not named ours* (ours_torch is ours through torch)."""
+    ours = (group.get("ours") or {}).get(figure)
+    peers = [(record[figure], impl) for impl, record in group.items()
+             if not impl.startswith("ours") and record.get(figure) is not None]
+    best, name = min(peers) if peers else (None, None)
+    return ours, best, name
+
+
+def _decode_ours_cell(record, figure):
+    """The value; '–' where ours is missing or the figure was not asked for; 'fail' otherwise."""
+    if record is not None and record.get(figure) is not None:
+        return _num(record[figure])
+    if record is None or record["status"] == "unavailable" or record["ok"]:
+        return "–"
+    return "fail"
+
+
+def _decode_cells(group, figure, peer_cell):
+    ours, best, name = decode_best(group, figure)
+    ratio = f"{best / ours:.2f}" if best is not None and ours else "–"
+    return [_decode_ours_cell(group.get("ours"), figure),
+            peer_cell(best, name) if best is not None else "–", ratio]
+
+
+def _decode_shape(M, N, dtype):
+    return f"{M}x{N}" + ("" if dtype == "bfloat16" else f" {SHORT_DTYPE.get(dtype, dtype)}")
+
+
+def _decode_rows(result, figures, headers, peer_cell, shapes=None, pdl=None):
+    """(header, rows): one row per (op, case) (only the (M, N) in ``shapes`` where given); per
+    figure ours, the best peer and the ratio; with ``pdl`` (a decode run with RMSNORM_HIP_PDL=1)
+    ours' graph figure from it after the graph columns ('–' where it has no such case)."""
+    header = ["op", "MxN"] + [cell for figure in figures for cell in headers(figure)]
+    with_pdl = _decode_groups(pdl["records"]) if pdl else None
+    at = header.index("ratio") + 1 if pdl else None
+    if pdl:
+        header.insert(at, "graph us ours, PDL")
+    rows = []
+    for key, group in _decode_groups(result["records"]).items():
+        op, M, N, dtype = key
+        if shapes is not None and (M, N) not in shapes:
+            continue
+        row = [op, _decode_shape(M, N, dtype)] + [
+            cell for figure in figures for cell in _decode_cells(group, figure, peer_cell)]
+        if pdl:
+            row.insert(at, _decode_ours_cell((with_pdl.get(key) or {}).get("ours"), "graph_us"))
+        rows.append(row)
+    return header, rows
+
+
+_DECODE_METHOD = {
+    "graph_us": lambda c: (f"graph: {c['graph_calls']} calls captured in one CUDA graph, replay "
+                           f"time / calls, median of {c['graph_replays']} replays"),
+    "us": lambda c: "flushed: device time (CUPTI sum of kernels), L2 flushed before each call",
+    "warm_us": lambda c: "warm: device time, no flush",
+    "host_us": lambda c: f"host: {c['host_calls']} eager calls + one sync",
+}
+
+
+def decode_title(result, figures=tuple(DECODE_FIGURES)):
+    env, method = result["environment"], result["method"]
+    partial = " PARTIAL (interrupted)" if result.get("interrupted") else ""
+    pdl = f", RMSNORM_HIP_PDL={method['pdl']}" if method.get("pdl") else ""
+    described = "; ".join(_DECODE_METHOD[figure](method["counts"]) for figure in figures)
+    return (f"rmsnorm_hip bench decode{partial} on {env.get('device')} ({result['target']}"
+            f"{pdl}), {env.get('date', '')[:10]}: us per call; {described}; "
+            f"ratio: best peer / ours (> 1: ours is faster)")
+
+
+def decode_text_report(result):
+    """The compact decode summary printed at the end of a run: every figure."""
+    figures = tuple(DECODE_FIGURES)
+    header, rows = _decode_rows(
+        result, figures, lambda figure: [f"{DECODE_FIGURES[figure]} ours", "best peer", "x"],
+        lambda best, name: f"{_num(best)} {name}")
+    parts = [decode_title(result, figures), "", _text_table(header, rows)]
+    errors = _errors(result["records"], with_op=True)
+    if errors:
+        parts += ["", "errors:"] + errors
+    return "\n".join(parts)
+
+
+def decode_markdown(result, shapes=None, pdl=None):
+    """Markdown for the README's decode table: graph, flushed and host us per call, each as
+    ours, the best peer (named) and best peer / ours; ``shapes``: only these (M, N); ``pdl``: a
+    run with RMSNORM_HIP_PDL=1 whose graph figure for ours gets a column."""
+    figures = MARKDOWN_DECODE_FIGURES
+    header, rows = _decode_rows(
+        result, figures,
+        lambda figure: [f"{DECODE_FIGURES[figure]} us ours", "best peer", "ratio"],
+        lambda best, name: f"{_num(best)} ({LABELS.get(name, name)})", shapes, pdl)
+    parts = [decode_title(result, figures) + ".", "", _markdown_table(header, rows, right_from=2)]
+    if pdl:
+        parts += ["", "graph us ours, PDL: the same calls launched with programmatic dependent "
+                      "launch (RMSNORM_HIP_PDL=1, which no peer does), from a run of "
+                      f"{pdl['environment'].get('date', '')[:10]}."]
+    if "fused_inplace" in result.get("ops", ()):
+        parts += ["", FUSED_INPLACE_NOTE]
+    versions = result["environment"].get("versions", {})
+    if versions:
+        listed = ", ".join(f"{name} {version}" for name, version in sorted(versions.items()))
+        parts += ["", f"Versions: {listed}."]
+    return "\n".join(parts)

@@ -1,11 +1,12 @@
-"""Timers: device time through CUPTI, CUDA events, host wall clock, copy bandwidth.
+"""Timers: device time through CUPTI, CUDA events, CUDA graphs, host wall clock, copy bandwidth.
 
 Device time per call (`cuda_device_time`) is the sum of the durations of the GPU activities
 (kernels, memsets, memcpys) that one call issues, read through torch.profiler (CUPTI), with the
 L2 cache flushed before every call. Unlike a host clock or events around a region it does not
 grow when the host path of a call is slower than its kernels, so it is what the call costs inside
 a CUDA graph or a busy stream (less the gaps between its own kernels). Host overhead is measured
-separately (`host_time`).
+separately (`host_time`).  A call's activities are told apart in the trace by a separator
+kernel issued before each call: the L2 flush, or for warm-cache timings a tiny `CallMarker`.
 
 torch is imported inside the CUDA functions only, so the CPU mode runs without it.
 """
@@ -36,20 +37,45 @@ class L2Flush:
         # Many short rows, so that torch needs no cross-block reduction (and no memset) for them.
         self._rows = self._buf.view(-1, 8192)
         self._row_sums = torch.empty(self._rows.shape[0], dtype=torch.int64, device="cuda")
-        self()
-        torch.cuda.synchronize()
-        self.kernel_names = {name for name, _, _ in _profile_activities(None, self, 3)}
-        if not self.kernel_names:
-            raise RuntimeError("L2Flush: the profiler saw no GPU activity (is CUPTI working?)")
-        if any(name.startswith(("Memset", "Memcpy")) for name in self.kernel_names):
-            # A call's own memsets and copies would then be taken for flushes.
-            raise RuntimeError(f"L2Flush: the {mode} flush issues {sorted(self.kernel_names)}")
+        self.kernel_names = _separator_names(self, f"L2Flush ({mode})")
 
     def __call__(self):
         if self.mode == "write":
             self._buf.add_(1)
         else:
             self._torch.sum(self._rows, dim=1, out=self._row_sums)  # uint8 sums to int64
+
+
+class CallMarker:
+    """A one-element kernel issued before each call where no flush is wanted: it only marks in the
+    trace where a call begins, so the device time is measured with the L2 as the previous call
+    left it (`kernel_names` tells the marker apart).  bitwise_not on int16 is an op no
+    implementation of an RMSNorm issues, so its kernel name cannot be taken for a call's own.
+    """
+
+    def __init__(self):
+        import torch
+
+        self._word = torch.zeros(1, dtype=torch.int16, device="cuda")
+        self.kernel_names = _separator_names(self, "CallMarker")
+
+    def __call__(self):
+        self._word.bitwise_not_()
+
+
+def _separator_names(separator, what):
+    """The names of the GPU activities `separator()` issues, found by profiling it alone."""
+    import torch
+
+    separator()
+    torch.cuda.synchronize()
+    names = {name for name, _, _ in _profile_activities(None, separator, 3)}
+    if not names:
+        raise RuntimeError(f"{what}: the profiler saw no GPU activity (is CUPTI working?)")
+    if any(name.startswith(("Memset", "Memcpy")) for name in names):
+        # A call's own memsets and copies would then be taken for separators.
+        raise RuntimeError(f"{what} issues {sorted(names)}")
+    return names
 
 
 def _profile_activities(fn, flush, iters):
@@ -74,7 +100,8 @@ def _profile_activities(fn, flush, iters):
 
 
 def _split_calls(activities, flush_names):
-    """Groups activities into calls: everything between two flushes belongs to one call."""
+    """Groups activities into calls: everything between two separators (flushes or markers)
+    belongs to one call."""
     calls = []
     after_flush = False
     for name, _, us in activities:
@@ -90,16 +117,17 @@ def _split_calls(activities, flush_names):
 
 
 def cuda_device_time(fn, flush, iters=20):
-    """Device time of one call of fn, L2 flushed before each: a dict.
+    """Device time of one call of fn, L2 flushed before each: a dict.  With a `CallMarker` as
+    `flush`, the same without the flush (warm cache).
 
     us: median over calls of the summed durations of the call's GPU activities;
     us_min, us_max: their spread; kernels_per_call; kernels: {name: us per call};
-    calls_seen: the number of flushes found in the trace (iters unless CUPTI lost some).
+    calls_seen: the number of separators found in the trace (iters unless CUPTI lost some).
     """
     calls = _split_calls(_profile_activities(fn, flush, iters), flush.kernel_names)
     per_call = [sum(us for _, us in call) for call in calls]
     if not per_call:
-        raise RuntimeError("cuda_device_time: no L2 flush found in the trace")
+        raise RuntimeError("cuda_device_time: no flush or marker found in the trace")
     kernels = {}
     for call in calls:
         for name, us in call:
@@ -134,6 +162,59 @@ def cuda_event_time(fn, flush, iters=20):
         end.record()
     torch.cuda.synchronize()
     return {"event_us": statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))}
+
+
+def cuda_graph_time(fn, calls=50, replays=10, warm_calls=3, warm_replays=3):
+    """Wall time per call of `calls` calls of fn captured in one CUDA graph, as a serving engine
+    replays a decode step: {"graph_us": median over `replays` replays of its CUDA-event time /
+    calls, "graph_us_min": the fastest replay's}.
+
+    fn is warmed up on the capture stream first (kernel loads, compilation, allocator pools must
+    not happen during capture), and must keep its inputs alive; what it allocates during capture
+    comes from the graph's private pool, freed with the graph.
+    """
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warm_calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    _capture(graph, stream, fn, calls)
+    try:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+        # No sync between the warm and the timed replays: the GPU always has replays queued, so a
+        # start event never waits idle for the host to submit the replay it times.
+        for _ in range(warm_replays):
+            graph.replay()
+        for start, end in zip(starts, ends):
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        per_call = [s.elapsed_time(e) * 1e3 / calls for s, e in zip(starts, ends)]
+    finally:
+        torch.cuda.synchronize()
+        graph.reset()
+    return {"graph_us": statistics.median(per_call), "graph_us_min": min(per_call)}
+
+
+def _capture(graph, stream, fn, calls):
+    """Captures `calls` calls of fn; a failed capture names the error that broke it first (the
+    capture's end then fails too and would hide it)."""
+    import torch
+
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    except Exception as error:
+        first = error.__context__
+        detail = f"; first: {type(first).__name__}: {first}" if first is not None else ""
+        raise RuntimeError(f"CUDA graph capture failed: {error}{detail}") from error
 
 
 def host_time(fn, sync, calls=1000, repeats=3):

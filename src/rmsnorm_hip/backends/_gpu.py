@@ -88,14 +88,14 @@ class GpuBackend:
         but pointers, outputs and the stream is decided here, once."""
         vector_key, scalar_key = self.fwd_kernels(m, n, dtype, weight_dtype, return_rstd,
                                                   x_stride)
-        alloc_y = io.allocator(shape, dtype)
+        alloc_y = io.like_allocator(shape, dtype, x_stride == n)
         alloc_rstd = io.allocator((m,), _dtypes.FLOAT32)
         ptr, stream, launch = io.ptr, io.stream, self.launch
         mask = 0 if vector_key is None else _ALIGN_MASK
         shapes = {}
 
         def run(x, weight, eps, weight_offset):
-            y = alloc_y()
+            y = alloc_y(x)
             rstd = alloc_rstd() if return_rstd else None
             if m:
                 x_ptr, y_ptr = ptr(x), ptr(y)
@@ -163,8 +163,11 @@ class GpuBackend:
                 fused=(has_residual, quant, xscale_dtype, offset))
         mask = 0 if keys[True][0] is None else _ALIGN_MASK
         f32 = _dtypes.FLOAT32
-        alloc_y = None if in_place else io.allocator(shape, quant or dtype)
-        alloc_ro = io.allocator(shape, dtype) if has_residual and not in_place else None
+        like_x = x_stride == n
+        alloc_y = None if in_place else io.like_allocator(shape, quant or dtype,
+                                                          like_x and not quant)
+        alloc_ro = (io.like_allocator(shape, dtype, like_x) if has_residual and not in_place
+                    else None)
         alloc_rstd = io.allocator((m,), f32) if return_rstd else None
         alloc_yscale = io.allocator((m,), f32) if quant else None
         item = _dtypes.ITEMSIZE[dtype]
@@ -182,8 +185,8 @@ class GpuBackend:
                              or _meet(r_ptr, r_span, w_ptr, w_span)
                              or _meet(x_ptr, x_span, w_ptr, w_span)):
                 return None
-            y = x if in_place else alloc_y()
-            ro = residual if in_place else (alloc_ro() if alloc_ro is not None else None)
+            y = x if in_place else alloc_y(x)
+            ro = residual if in_place else (alloc_ro(x) if alloc_ro is not None else None)
             rstd = alloc_rstd() if alloc_rstd is not None else None
             yscale = alloc_yscale() if alloc_yscale is not None else None
             if m:
@@ -252,7 +255,7 @@ class GpuBackend:
         decided here, once; a call reads pointers, allocates its outputs and launches."""
         mask = _ALIGN_MASK if self._rows_aligned(n, dtype, strides) else 0
         launches = {}
-        alloc_dx = io.allocator(shape, dtype)
+        alloc_dx = io.like_allocator(shape, dtype, strides[1] == n)
 
         def launch_plan(vector):
             shape_ = self._bwd_launch_shape(
@@ -268,7 +271,7 @@ class GpuBackend:
         dy_stride, x_stride, dres_stride, dx_stride = strides
 
         def run(dy, x, weight, rstd, dres, eps, weight_offset):
-            dx = alloc_dx()
+            dx = alloc_dx(x)
             dy_ptr, x_ptr, dx_ptr = ptr(dy), ptr(x), ptr(dx)
             w_ptr = 0 if weight is None else ptr(weight)
             dres_ptr = 0 if dres is None else ptr(dres)

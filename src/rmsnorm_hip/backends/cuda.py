@@ -1,6 +1,11 @@
 """NVIDIA backend: kernels compiled to PTX by numba-cuda, loaded once per device with the driver API
-(cuda-python's ``cuda.bindings``) and launched with ``cuLaunchKernel`` on the caller's stream.
-numba's per-call dispatcher (80-140 us a call) is never on the launch path."""
+(cuda-python's ``cuda.bindings``) and launched with ``cuLaunchKernelEx`` on the caller's stream.
+numba's per-call dispatcher (80-140 us a call) is never on the launch path.
+
+``RMSNORM_HIP_PDL=1`` (sm_90 and later) launches the forward kernels with programmatic stream
+serialization: such a kernel may start while the kernel before it in the stream finishes, and
+waits for it (``griddepcontrol.wait``) before its first load.  In a CUDA graph of back-to-back
+kernels that hides part of each launch."""
 import ctypes
 import json
 import re
@@ -77,15 +82,44 @@ def _check(result, what):
     return result[1] if isinstance(result, tuple) and len(result) == 2 else result
 
 
+PDL_ENV = "RMSNORM_HIP_PDL"
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6      # CUlaunchAttributeID
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig of cuLaunchKernelEx."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
 def _ctypes_launcher():
-    """``cuLaunchKernel`` of the driver library (the one cuda.bindings loaded: same soname, same
-    handle) called through ctypes.  cuda.bindings' Python wrapper converts its eleven arguments
-    into objects on every call: 5.5 us per launch on the H200 host, against ~1 us here."""
+    """``cuLaunchKernelEx`` of the driver library (the one cuda.bindings loaded: same soname,
+    same handle) called through ctypes with a launch configuration built once per kernel, grid
+    and block: a call sets the stream and passes four pointers.  cuda.bindings' Python wrapper
+    converts its arguments into objects on every call (5.5 us per launch on the H200 host)."""
     c = ctypes
-    launch = c.CDLL("libcuda.so.1").cuLaunchKernel
+    launch = c.CDLL("libcuda.so.1").cuLaunchKernelEx
     launch.restype = c.c_int
-    launch.argtypes = [c.c_void_p] + [c.c_uint] * 7 + [c.c_void_p] * 3
+    launch.argtypes = [c.c_void_p] * 4
     return launch
+
+
+def pdl_requested():
+    """Whether RMSNORM_HIP_PDL asks for programmatic dependent launch (read when a backend is
+    made): "1" / "true" / "on" / "yes"."""
+    import os
+    value = os.environ.get(PDL_ENV, "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"{PDL_ENV} must be 1 or 0 (true / false, on / off), got {value!r}")
 
 
 def _ctypes_current_context():
@@ -98,13 +132,36 @@ def _ctypes_current_context():
 
 
 class CudaKernel:
-    def __init__(self, function, argtypes, ptx, name):
+    def __init__(self, function, argtypes, ptx, name, programmatic=False):
         self.function = function
         self.handle = int(function)
         self.resident = {}      # block threads -> blocks per SM (occupancy)
         self.args = ArgPack(argtypes)
         self.ptx = ptx
         self.name = name
+        # launched with programmatic stream serialization (its code waits on prior grids)
+        self.programmatic = programmatic
+        self._configs = threading.local()
+
+    def config(self, grid, block):
+        """(this thread's launch configuration for grid x block, its address); the caller sets
+        its stream."""
+        configs = getattr(self._configs, "by_shape", None)
+        if configs is None:
+            configs = self._configs.by_shape = {}
+        found = configs.get((grid, block))
+        if found is None:
+            config = _LaunchConfig()
+            config.grid[:] = grid
+            config.block[:] = block
+            if self.programmatic:
+                attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+                attribute.value[0] = 1
+                config.attrs = ctypes.addressof(attribute)
+                config.num_attrs = 1
+                config._attribute = attribute       # kept alive with the configuration
+            found = configs[(grid, block)] = (config, ctypes.addressof(config))
+        return found
 
     def attributes(self):
         """Registers, local (spill) bytes and static shared memory of the loaded kernel."""
@@ -146,7 +203,13 @@ class CudaBackend(GpuBackend):
         self._single_device = _check(driver.cuDeviceGetCount(), "cuDeviceGetCount") == 1
         self._get_current = _ctypes_current_context()
         self._slots = threading.local()     # per thread: a CUcontext slot and its address
+        # programmatic dependent launch needs sm_90; the kernels' waits are no-ops below it
+        self.pdl = pdl_requested() and self.cc >= (9, 0)
         super().__init__(intrinsics.load("cuda"))
+
+    @property
+    def cache_key(self):
+        return (self.name, self.arch, self.device_index, self.pdl)
 
     @contextmanager
     def current(self):
@@ -169,7 +232,8 @@ class CudaBackend(GpuBackend):
             module = self._load_ptx(ptx)
             function = _check(self._driver.cuModuleGetFunction(module, entry.encode()),
                               "cuModuleGetFunction")
-        kernel = CudaKernel(function, argtypes, ptx, name)
+        kernel = CudaKernel(function, argtypes, ptx, name, programmatic=self.pdl and getattr(
+            builder, "waits_on_prior_grids", False))
         kernel.module = module
         return kernel
 
@@ -221,12 +285,12 @@ class CudaBackend(GpuBackend):
         self._launch_now(kernel, grid, block, params, stream)
 
     def _launch_now(self, kernel, grid, block, params, stream):
-        err = self._launch(kernel.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                           0, stream, params, None)
+        config, address = kernel.config(grid, block)
+        config.stream = stream
+        err = self._launch(address, kernel.handle, params, None)
         if err:
             if err == _INVALID_CONTEXT:  # no context current on this thread (e.g. a new thread)
                 with self.current():
-                    err = self._launch(kernel.handle, grid[0], grid[1], grid[2], block[0],
-                                       block[1], block[2], 0, stream, params, None)
+                    err = self._launch(address, kernel.handle, params, None)
             if err:
-                _check(self._driver.CUresult(err), f"cuLaunchKernel({kernel.name})")
+                _check(self._driver.CUresult(err), f"cuLaunchKernelEx({kernel.name})")

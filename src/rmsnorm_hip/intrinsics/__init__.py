@@ -37,6 +37,10 @@ Names every GPU namespace provides
 ``atomic_add_f32``                 float32 atomic add at ``ptr[i]`` (no result; CUDA: PTX ``red``)
 ``atomic_add_f32x4``               four at ``ptr[i:i + 4]``, 16-byte aligned (CUDA: one
                                   ``red.global.add.v4.f32``, sm_90; four adds elsewhere)
+``wait_prior_grids()``,            programmatic dependent launch (CUDA sm_90: PTX
+``release_dependents()``           ``griddepcontrol``): wait for the kernel before this one in
+                                  the stream before reading its outputs; let the next one start.
+                                  No-ops elsewhere, and wherever the launch did not ask for it
 ``row_barrier(group, threads)``    a barrier of one row group's ``threads`` threads (CUDA: named
                                   barrier 1 + group); the whole block where there are no named
                                   barriers (AMD, the simulator): every group must then pass it

@@ -430,3 +430,29 @@ def define_ptx_red(intrinsic):
         return types.void(ptr, idx, a, b, c, d), codegen
 
     return dict(atomic_add_f32=atomic_add_f32, atomic_add_f32x4=atomic_add_f32x4)
+
+
+def define_grid_dependency(intrinsic):
+    """``wait_prior_grids()`` and ``release_dependents()``: PTX ``griddepcontrol.wait`` /
+    ``griddepcontrol.launch_dependents`` (sm_90 and later; nothing below).  A kernel launched with
+    programmatic stream serialization (backends.cuda, RMSNORM_HIP_PDL) may start while the
+    kernel before it in the stream still runs: it must wait before its first read of what that
+    kernel wrote, and it lets the kernel after it start once its own inputs are read.  Launched
+    without the attribute, both are no-ops.  The wait is a memory clobber: no load moves above
+    it."""
+    def define_one(instruction):
+        @intrinsic
+        def grid_dependency(typingctx):
+            def codegen(context, builder, sig, args):
+                if _target_cc() >= (9, 0):
+                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), instruction,
+                                       "~{memory}", side_effect=True)
+                    builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return grid_dependency
+
+    return dict(wait_prior_grids=define_one("griddepcontrol.wait;"),
+                release_dependents=define_one("griddepcontrol.launch_dependents;"))

@@ -38,6 +38,12 @@ def _shfl_xor(value, offset):
 
 
 @register_jitable
+def _no_grid_dependency():
+    # no programmatic dependent launch on AMD: a kernel starts when the one before it ends
+    pass
+
+
+@register_jitable
 def _row_barrier(group, threads):
     # no named barriers on gfx942 / gfx950: the whole workgroup (callers keep the count uniform)
     hip.syncthreads()
@@ -65,4 +71,6 @@ def build():
     shared.update(atomic_add_f32x4=atomic_add_f32x4)
     return SimpleNamespace(name="hip", warp=WARP, shared_alignment=None,
                            gpu=hip, jitable=register_jitable, row_barrier=_row_barrier,
+                           wait_prior_grids=_no_grid_dependency,
+                           release_dependents=_no_grid_dependency,
                            **compiled, **shared)

@@ -229,6 +229,11 @@ def row_barrier(group, threads):
     _kernel_module().syncthreads()
 
 
+def no_grid_dependency():
+    # the simulator runs one kernel at a time: nothing to wait for or release
+    pass
+
+
 def _warp_state(warp, name, make):
     """(the state ``name`` of the running thread's warp, its lane): ``make(lanes)`` builds it once
     per warp of the running block (a block's last warp may be partial)."""
@@ -314,6 +319,7 @@ def build(warp):
                            max_abs=max_abs, max_abs_nan=max_abs_nan,
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
                            atomic_add_f32=atomic_add_f32, atomic_add_f32x4=atomic_add_f32x4,
-                           row_barrier=row_barrier,
+                           row_barrier=row_barrier, wait_prior_grids=no_grid_dependency,
+                           release_dependents=no_grid_dependency,
                            # a cache hint changes where lines go, not what is read
                            load_b128_stream=load_b128, **vars(shared))

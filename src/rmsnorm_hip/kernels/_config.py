@@ -45,9 +45,14 @@ BLOCK_THREADS = 128
 #     tune_stream_quant_res_held.json, two runs each) 32768x4096 97.3 -> 92.7, 16384x8192 97.1
 #     -> 93.3, 4096x4096 80.0 / 83.5 -> 83.9 / 84.7, 1024x8192 69.1 -> 72.6: streamed up to 32
 #     rows per SM
+# Decode batches: streamed programs hold their weight, read with the first row, where a one-shot
+# row reads it after its reduction (a second memory latency).  H200, fused add bf16, us flushed /
+# in a CUDA graph, one-shot -> streamed: 8x4096 3.26 / 3.16 -> 2.32 / 2.65, 128x4096 3.89 / 3.47
+# -> 3.23 / 3.21, 512x4096 6.18 / 4.43 -> 6.14 / 4.54, 512x8192 11.76 / 8.02 -> 10.94 / 6.69,
+# 2048x4096 18.91 / 18.68 -> 19.12 / 19.01: streamed up to 4 rows per SM (docs/performance.md).
 # AMD: not measured, so not streamed.
 FWD_STREAM_ROWS_PER_SM = {
-    "cuda": {"plain": 16, "residual": 0, "quant": None, "quant_residual": 32},
+    "cuda": {"plain": 16, "residual": 4, "quant": None, "quant_residual": 32},
     "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
 }
 
@@ -122,16 +127,17 @@ class FwdSpec:
     exact: bool = False     # cached row, every chunk of every thread in it: no column checks
     offset: bool = True     # weight_offset added to the weight (False: the call's offset is 0)
     stream: bool = False    # persistent grid, the next row's words loaded during this row
-    held_weights: bool = False      # streamed quantised rows: gains held in registers
+    held_weights: bool = False      # streamed rows: gains held in registers
 
     def __post_init__(self):
         if self.xscale and not self.quant:
             raise ValueError(f"FwdSpec: xscale (SmoothQuant) needs quant, got xscale="
                              f"{self.xscale!r}, quant={self.quant!r}")
         # a one-shot block has one row to weigh: nothing to hold the gains across
-        if self.held_weights and not (self.stream and self.quant):
-            raise ValueError(f"FwdSpec: held_weights needs a streamed quantised spec, got "
-                             f"stream={self.stream}, quant={self.quant!r}")
+        if self.held_weights and not (self.stream and (self.weight or self.xscale)):
+            raise ValueError(f"FwdSpec: held_weights needs a streamed spec with a weight or "
+                             f"xscale, got stream={self.stream}, weight={self.weight!r}, "
+                             f"xscale={self.xscale!r}")
 
     @property
     def fused(self):
@@ -158,10 +164,12 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     ``vendor`` ("cuda" or "hip") GPU.  ``offset=False`` (weight_offset == 0) is a variant of the
     quantised rows only: their issue slots are the bound, and it saves one FADD per element
     (the same switch measured nothing on rms_norm and the fused add: tune_stream.json).
-    ``stream`` (fwd_stream) applies to cached vector rows.  Streamed quantised rows hold their
-    columns' gains (weight + offset) * xscale in registers for the whole program: the quantised
-    row is bound by instruction issue, and every quantised variant forms t = h * g, so the bits
-    do not depend on it (docs/performance.md: 2-5 points of copy at large M on the H200)."""
+    ``stream`` (fwd_stream) applies to cached vector rows.  Streamed rows hold their columns'
+    gains in registers for the whole program, loaded with the first row: (weight + offset) *
+    xscale when quantised (issue-bound rows: 2-5 points of copy at large M on the H200), weight +
+    offset otherwise (a small batch's rows then wait on one memory latency, not two: the weight
+    is read before the reduction, not after it).  Every variant forms the same float32 factor,
+    so the bits do not depend on it."""
     layout = quant_row_layout(n, dtype, vendor) if quant else row_layout(n, dtype)
     # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
     # exactly threads x chunks; on AMD the branch-free row took the fp32 N = 4096 quantised
@@ -169,7 +177,7 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     exact = (vendor == "cuda" and bool(quant) and layout.cached and n % layout.chunk == 0
              and layout.n_chunks == layout.threads * layout.chunks_per_thread)
     stream = stream and vector and layout.cached
-    held = stream and bool(quant) and bool(weight or xscale)
+    held = stream and bool(weight or xscale)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
                    xscale=xscale, exact=exact, offset=offset or not (quant and weight),

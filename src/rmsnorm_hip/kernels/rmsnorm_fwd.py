@@ -27,10 +27,14 @@ and store nothing; absent arrays are null pointers that are never touched.
 Streamed (``FwdSpec.stream``, cached vector rows; chosen per call, kernels/_config): a persistent
 grid whose block p takes the row blocks p, p + P, ...; each thread holds a row's chunks as the
 loaded 32-bit words and loads the next row's words before this row's stores and reduction (two
-word buffers, used alternately).  Quantised programs also hold their columns' gains g in
-registers, loaded once (``FwdSpec.held_weights``), where a one-shot row loads them with its
-chunks.  The float32 operations per row are the cached one-shot row's, so the bits are too.
+word buffers, used alternately).  Programs with a weight (or xscale) also hold their columns'
+gains in registers, loaded once before the first row (``FwdSpec.held_weights``): w + offset, or
+g when quantised, where a one-shot row loads them after its reduction.  The float32 operations per row are the cached one-shot row's, so the bits are too.
 Rows of another program are never read, so in place still holds.
+
+Programmatic dependent launch (CUDA sm_90, opt-in: backends.cuda): every forward waits for the
+kernel before it in the stream before its first load, and lets the next kernel start once its
+first row's loads are issued.
 """
 import math
 
@@ -65,6 +69,8 @@ def _numba_storage(dtype):
 
 
 def make_rmsnorm_fwd(intr, spec: FwdSpec):
+    """The forward kernel of ``spec`` over the intrinsics ``intr`` (a Python function to
+    compile)."""
     layout = spec.layout
     n, chunk, threads = layout.n, layout.chunk, layout.threads
     per_thread, cached, rows = layout.chunks_per_thread, layout.cached, spec.rows
@@ -94,7 +100,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     one, two64, tiny = float32(1.0), float32(2.0 ** 64), float32(2.0 ** -126)
     n_red = 2 if quant else 1                   # sum and max: one shared buffer each
     stream = spec.stream
-    held = spec.held_weights                    # streamed quantised rows only (FwdSpec)
+    held = spec.held_weights                    # streamed rows only (FwdSpec)
     has_gain = has_weight or has_xscale
     gains_len = cache_len if held else 1
     red_bufs = 2 * n_red if stream else n_red   # streamed rows alternate between two halves
@@ -103,6 +109,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     words = per_thread * 4 if stream else 1     # 32-bit words of a row's chunks per thread
     residual_words = words if has_residual else 1
     load_words, words_to_floats = x_io.load_words, x_io.words_to_floats
+    wait_prior_grids, release_dependents = intr.wait_prior_grids, intr.release_dependents
 
     @jitable
     def add_residual(vals, slot, rvals, rslot):
@@ -161,9 +168,14 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         return acc
 
     @jitable
-    def scale_chunk(weight, col0, r, weight_offset, vals, slot, wvals):
+    def scale_chunk(weight, col0, r, weight_offset, vals, slot, wvals, gains):
         """vals[slot:] <- y = h * r * (weight + weight_offset) for one chunk (rows that are not
-        quantised, which have no xscale: FwdSpec)."""
+        quantised, which have no xscale: FwdSpec); with ``held`` the factor is the program's
+        ``gains[slot:]``, the same float32 sum formed once (hold_gains)."""
+        if held:
+            for e in range(chunk):
+                vals[slot + e] = (vals[slot + e] * r) * gains[slot + e]
+            return
         if has_weight:
             load_w(weight, 0, col0, wvals, 0)
         for e in range(chunk):
@@ -202,7 +214,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
 
     @jitable
     def hold_gains(weight, xscale, tx, weight_offset, wvals, svals, gains):
-        """A streamed quantised program's gains of its columns, once (zeros past the row)."""
+        """A streamed program's gains of its columns, once (zeros past the row): w + offset, or
+        the quantiser's g."""
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if full or col0 < n:
@@ -224,7 +237,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
 
     @jitable
     def finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
-                   ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, svals):
+                   ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, gains):
         """Last pass of a live row: scale this thread's chunks and store them."""
         for k in range(trips):
             col0 = (tx + k * threads) * chunk
@@ -233,7 +246,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 if not cached:
                     reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals,
                              slot, rvals, True)
-                scale_chunk(weight, col0, r, weight_offset, vals, slot, wvals)
+                scale_chunk(weight, col0, r, weight_offset, vals, slot, wvals, gains)
                 store_y(y, y_start, col0, vals, slot)
 
     @jitable
@@ -340,7 +353,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             rstd[row] = r
         if live:
             finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
-                       ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, svals)
+                       ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, gains)
 
     @jitable
     def forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
@@ -357,8 +370,10 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         # looped rows walk their chunks with a trip count the compiler cannot see (m >> 63 is
         # 0): unrolled, their loads were hoisted and spilled (gfx942, N = 65536)
         trips = per_thread if cached else per_thread + (m >> 63)
+        wait_prior_grids()
         if cached:
             load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals)
+        release_dependents()
         normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
                       x_start, r_start, y_start, ro_start, tx, ty, trips, eps, weight_offset, red,
                       0, vals, rvals, wvals, svals, gains)
@@ -421,9 +436,11 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         step = int64(gpu.gridDim.x) * rows
         row = program * rows + ty
         iters = (m - program * rows + step - 1) // step     # uniform in the block
+        wait_prior_grids()
         load_row_words(x, residual, row, m, x_stride, r_stride, tx, aw, ar)
         if held:
             hold_gains(weight, xscale, tx, weight_offset, wvals, svals, gains)
+        release_dependents()
         for it in range(0, iters, 2):
             stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, row, step,
                        x_stride, r_stride, y_stride, ro_stride, eps, weight_offset, red, 0, tx,
@@ -444,16 +461,16 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         rvals = gpu.local.array(cache_len, float32)
         wvals = gpu.local.array(chunk, float32)
         svals = gpu.local.array(chunk, float32)
-        # not quantised: no gains (svals stands in for the unused array)
+        gains = gpu.local.array(gains_len, float32)    # held weights (streamed rows)
         if stream:
             aw = gpu.local.array(words, uint32)
             bw = gpu.local.array(words, uint32)
             stream_rows(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride,
-                        y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, svals, aw,
+                        y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, gains, aw,
                         aw, bw, bw)
         else:
             forward(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride,
-                    y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, svals)
+                    y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, gains)
 
     def rmsnorm_fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                           r_stride, y_stride, ro_stride, eps, weight_offset):
@@ -465,7 +482,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         rvals = gpu.local.array(cache_len, float32)
         wvals = gpu.local.array(chunk, float32)
         svals = gpu.local.array(chunk, float32)
-        gains = gpu.local.array(gains_len, float32)    # held gains (streamed quantised rows)
+        gains = gpu.local.array(gains_len, float32)    # held gains (streamed rows)
         if stream:
             aw = gpu.local.array(words, uint32)
             ar = gpu.local.array(residual_words, uint32)
@@ -480,3 +497,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                     svals, gains)
 
     return rmsnorm_fused_fwd if spec.fused else rmsnorm_fwd
+
+
+# every forward kernel waits for the kernel before it (wait_prior_grids) before its first load:
+# the CUDA backend may launch it with programmatic stream serialization
+make_rmsnorm_fwd.waits_on_prior_grids = True
