@@ -3,8 +3,9 @@ benchmark measures) of a torch device-to-device copy that moves the bytes an op 
 (read + written), as % of the 2 GiB copy bandwidth; with the benchmark's write flush and with a
 read-only flush.  What no kernel of that op and shape is expected to beat: at small shapes the
 write flush's dirty lines and the launch ramp cost a copy too.  Each case is timed twice and the
-first timing discarded, as the benchmark's warm-up pass does (runner._warm_up; session 7's
-ceilings, timed once right after a larger case, came out below what the forward later reached).
+first timing discarded, as the benchmark's warm-up pass does (runner._warm_up; the first
+ceilings, results/tune_h200_20261130_s7/, timed once right after a larger case, came out below
+what the forward later reached).
 Writes copy_same_bytes{tag}.json.
 
     PYTHONPATH=src python3 benchmarks/copy_ceiling.py [--out DIR] [--flush write,read]
@@ -51,7 +52,7 @@ def main():
                            pct_copy=100 * nbytes / t["us"] / 1e3 / copy)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                del src, dst
+                src = dst = None        # free the buffers before the next size
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"copy_same_bytes{args.tag}.json"), "w") as f:
         json.dump(dict(copy_gbps=copy, rows=rows), f, indent=1)

@@ -2,12 +2,14 @@
 """Rebuilds the README's benchmark tables from saved runs.
 
 Reads benchmarks/results/*.json (written by `rmsnorm-hip bench --json FILE`), takes for each op the
-newest run, preferring GPU runs to CPU runs, prints its markdown, and rewrites README.md between
-`<!-- bench:OP:begin -->` and `<!-- bench:OP:end -->` (OP: fwd, bwd, ...) where those markers exist.
+newest run, preferring GPU runs to CPU runs, prints its markdown, and rewrites README.md and
+docs/performance.md between `<!-- bench:NAME:begin -->` and `<!-- bench:NAME:end -->` where those
+markers exist.  NAME: an op (fwd, bwd, ...), `summary` (every op at a few shapes, ours against
+the best peer), `decode` (a sample of the newest decode run) and `decode_all` (all of it).
 
     python benchmarks/make_table.py                 # print and rewrite README.md
     python benchmarks/make_table.py --print-only    # print only
-    python benchmarks/make_table.py --check         # exit 1 if README.md is not up to date
+    python benchmarks/make_table.py --check         # exit 1 if a document is not up to date
     python benchmarks/make_table.py --results FILE.json ...   # use these runs
     python benchmarks/make_table.py --decode FILE.json        # print a decode run's table
 
@@ -45,8 +47,10 @@ def newest_per_op(paths):
     return {op: (path, result) for op, (_, path, result) in sorted(chosen.items())}
 
 
-# the README's decode rows; benchmarks/results holds every case
+# the README's decode rows and summary shapes; docs/performance.md has every case
 README_DECODE_SHAPES = {(1, 4096), (32, 4096), (512, 4096), (1, 8192), (512, 8192)}
+SUMMARY_SHAPES = ((32768, 4096), (4096, 4096), (1024, 8192))
+DOCS = ("README.md", os.path.join("docs", "performance.md"))
 
 
 def newest_decode(paths):
@@ -93,6 +97,9 @@ def main(argv=None):
     parser.add_argument("--print-only", action="store_true")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if the README is not up to date")
+    parser.add_argument("--plot", metavar="PNG", default=os.path.join(
+        ROOT, "benchmarks", "results", "all_h200.png"),
+        help="redraw the README's GB/s plot from the same runs ('' to skip)")
     parser.add_argument("--decode", metavar="FILE",
                         help="print the markdown of this decode run (bench --decode --json FILE)")
     args = parser.parse_args(argv)
@@ -104,34 +111,44 @@ def main(argv=None):
         print("no results: run `rmsnorm-hip bench --json benchmarks/results/NAME.json` first",
               file=sys.stderr)
         return 1
-    readme = None
-    if os.path.exists(args.readme):
-        with open(args.readme) as f:
-            readme = f.read()
-    updated = readme
+    blocks = {}
     for op, (path, result) in runs.items():
-        block = table.markdown(result)
-        print(f"<!-- {op}: {os.path.relpath(path, ROOT)} -->\n{block}\n")
-        spliced = splice(updated, op, block) if updated is not None else None
-        if spliced is None:
-            print(f"note: {args.readme} has no <!-- bench:{op}:begin/end --> markers",
-                  file=sys.stderr)
-        else:
-            updated = spliced
+        blocks[op] = (path, table.markdown(result))
+    blocks["summary"] = ("per-op runs", table.summary_markdown(
+        {op: result for op, (_, result) in runs.items()}, SUMMARY_SHAPES))
     plain, pdl = newest_decode(args.results)
     if plain is not None:
-        block = table.decode_markdown(plain[1], README_DECODE_SHAPES,
-                                      pdl[1] if pdl is not None else None)
-        print(f"<!-- decode: {os.path.relpath(plain[0], ROOT)} -->\n{block}\n")
-        spliced = splice(updated, "decode", block) if updated is not None else None
-        if spliced is not None:
-            updated = spliced
+        with_pdl = pdl[1] if pdl is not None else None
+        blocks["decode"] = (plain[0], table.decode_markdown(plain[1], README_DECODE_SHAPES,
+                                                            with_pdl))
+        blocks["decode_all"] = (plain[0], table.decode_markdown(plain[1], None, with_pdl))
+    for name, (path, block) in blocks.items():
+        print(f"<!-- {name}: {os.path.relpath(path, ROOT) if os.path.exists(path) else path} "
+              f"-->\n{block}\n")
+    if args.plot and not (args.check or args.print_only):
+        combined = {"op": "all", "runs": [result for _, (_, result) in runs.items()]}
+        try:
+            table.plot(combined, args.plot)
+        except ImportError:
+            print("make_table: matplotlib is missing (pip install 'rmsnorm-hip[bench]'): "
+                  "the plot was not redrawn", file=sys.stderr)
+    stale = []
+    for doc in ([args.readme] if args.readme else []) + [os.path.join(ROOT, d) for d in DOCS[1:]]:
+        if not os.path.exists(doc):
+            continue
+        with open(doc) as f:
+            text = f.read()
+        updated = text
+        for name, (_, block) in blocks.items():
+            updated = splice(updated, name, block) or updated
+        if updated != text:
+            stale.append(doc)
+            if not args.check and not args.print_only:
+                with open(doc, "w") as f:
+                    f.write(updated)
+                print(f"rewrote {doc}", file=sys.stderr)
     if args.check:
-        return 0 if updated == readme else 1
-    if not args.print_only and updated != readme:
-        with open(args.readme, "w") as f:
-            f.write(updated)
-        print(f"rewrote {args.readme}", file=sys.stderr)
+        return 1 if stale else 0
     return 0
 
 

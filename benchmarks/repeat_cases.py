@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 
-import _probe
 
 CASES = "fused:4096x4096,quant:4096x4096,bwd:8192x8192,bwd:4096x4096,bwd:1024x8192"
 
@@ -39,7 +38,7 @@ def main():
     args = ap.parse_args()
 
     from rmsnorm_hip import functional
-    from rmsnorm_hip._bench import ops, runner, targets
+    from rmsnorm_hip._bench import ops, runner, targets, timing
     from rmsnorm_hip.kernels import _config
 
     shipped = dict(_config.CHUNKS_PER_THREAD)
@@ -78,7 +77,7 @@ def main():
             if status["ok"]:
                 checked[name] = impl
         if args.same_bytes_copy:
-            checked["copy_same_bytes"] = _probe.same_bytes_copy(nbytes)
+            checked["copy_same_bytes"] = timing.same_bytes_copy(nbytes)
         runner._warm_up(target, checked, inputs)
         names = list(checked)
         times = {name: [] for name in names}
@@ -99,7 +98,7 @@ def main():
                                 us_median=statistics.median(us), us_min=min(us), us_max=max(us),
                                 pct_median=statistics.median(pct), pct_min=min(pct),
                                 pct_max=max(pct)))
-        del inputs, reference
+        inputs = reference = None       # free the case before the next one
         checked.clear()     # the same-bytes copy's buffers go with it
         target.free_memory()
     use_chunks(shipped[2])

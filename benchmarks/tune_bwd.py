@@ -7,30 +7,32 @@ per (shape, setting) and writes them to --out (default $OUT or .)/tune_bwd.json.
     PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings hold_w,load_w] [--dres]
         [--shapes 4096x4096,...] [--flush write|read] [--no-weight] [--tag _suffix]
 
-Session 10 also ran ``tail`` / ``two_kernel`` (branch exp/tail-reduce) and ``p_fit`` /
-``p_balanced`` / ``p_128max`` (the grid's programs: as many as fit, the fewest that keep the
-most row blocks a program takes, at most 128), with knobs since removed (benchmarks/NOTES.md).
-Session 11 ran ``paired`` / ``unpaired`` and the timing-only ablations ``full`` / ``no_ws_store`` /
-``no_weight_load`` / ``rows_first`` (branch exp/paired-rows); ``--no-weight`` times dx alone (what
-the dweight costs a call).  Session 12 ran ``shallow`` / ``deep`` (one or two rows of words ahead,
-branch exp/deep-prefetch), ``vector_red`` / ``scalar_red`` (a row's warp partials read 4 at a
-time or one at a time, with a knob since removed and the kernel cache cleared per setting), and
-``before_fix`` / ``cache_wide`` / ``cache_narrow`` on 1024-thread rows of 2 chunks (float32
-N = 8192, 16-bit N = 16384: loads ahead of the reduction or not, cached or looped).  Session 13
-ran ``narrow`` / ``wide`` (branch exp/wide2), ``hold_w`` / ``load_w`` and ``fp32_cached`` /
-``fp32_looped``.  Session 14 ran ``narrow`` / ``one_block`` (1024-thread rows as 512 x 2 in one
-block per SM; the first run with an earlier form of the knob), ``two_chunk`` and ``mid``.
-Session 16 ran ``cluster_eight`` / ``_four`` / ``_two`` / ``_one`` / ``no_cluster`` (the partial
-rows summed across a thread-block cluster first: the knobs, and benchmarks/check_cluster.py, are
-on branch exp/cluster-combine) and ``p_fit`` / ``p_balanced`` / ``p_round``.  Session 17 ran
-``reduce_g*_b*`` (the reduction's loads in one round or not) and ``paired`` / ``unpaired``
-(BWD_PAIRED_ROWS; correctness on the GPU: benchmarks/check_paired.py).  Session 18 ran
-``stream_off`` / ``stream_cs`` and ``stream_ef`` / ``stream_cs_st`` / ``stream_ef_st`` /
-``stream_st_only`` (an L2 evict-first policy instead of ld.global.cs, and the dx stores
-hinted; knobs since removed).  Session 20 ran ``det`` / ``atomic`` (dweight by float32 atomics
-at every M, called with deterministic=False; the first runs before the thresholds existed) and
-``nondet`` (deterministic=False as shipped); ``--wdtype float32`` gives 16-bit rows a float32
-weight.  Session 22 ran ``early_dw`` / ``late_dw`` / ``early_fit`` (BWD_EARLY_DWEIGHT).
+Earlier runs also took settings whose knobs have since been removed or stayed on their branch
+(docs/performance.md has what they measured).  In results/tune_h200_20261130_s10/: ``tail`` /
+``two_kernel`` (branch exp/tail-reduce) and ``p_fit`` / ``p_balanced`` / ``p_128max`` (the
+grid's programs: as many as fit, the fewest that keep the most row blocks a program takes, at
+most 128).  In tune_h200_20261130_s11/: ``paired`` / ``unpaired`` and the timing-only ablations
+``full`` / ``no_ws_store`` / ``no_weight_load`` / ``rows_first`` (branch exp/paired-rows);
+``--no-weight`` times dx alone (what the dweight costs a call).  In tune_h200_20261130_s12/:
+``shallow`` / ``deep`` (one or two rows of words ahead, branch exp/deep-prefetch), ``vector_red``
+/ ``scalar_red`` (a row's warp partials read 4 at a time or one at a time, with the kernel cache
+cleared per setting), and ``before_fix`` / ``cache_wide`` / ``cache_narrow`` on 1024-thread rows
+of 2 chunks (float32 N = 8192, 16-bit N = 16384: loads ahead of the reduction or not, cached or
+looped).  In tune_h200_20261130_s13/: ``narrow`` / ``wide`` (branch exp/wide2), ``hold_w`` /
+``load_w`` and ``fp32_cached`` / ``fp32_looped``.  In tune_h200_20261130_s14/: ``narrow`` /
+``one_block`` (1024-thread rows as 512 x 2 in one block per SM; the first run with an earlier
+form of the knob), ``two_chunk`` and ``mid``.  In tune_h200_20261201_s16/: ``cluster_eight`` /
+``_four`` / ``_two`` / ``_one`` / ``no_cluster`` (the partial rows summed across a thread-block
+cluster first: the knobs, and benchmarks/check_cluster.py, are on branch exp/cluster-combine)
+and ``p_fit`` / ``p_balanced`` / ``p_round``.  In tune_h200_20261201_s17/: ``reduce_g*_b*`` (the
+reduction's loads in one round or not) and ``paired`` / ``unpaired`` (BWD_PAIRED_ROWS; checked
+on the GPU by a script since removed).  In tune_h200_20261202_s18/: ``stream_off`` /
+``stream_cs`` and ``stream_ef`` / ``stream_cs_st`` / ``stream_ef_st`` / ``stream_st_only`` (an
+L2 evict-first policy instead of ld.global.cs, and the dx stores hinted).  In
+tune_h200_20261202_s20/: ``det`` / ``atomic`` (dweight by float32 atomics at every M, called
+with deterministic=False; the first runs before the thresholds existed) and ``nondet``
+(deterministic=False as shipped); ``--wdtype float32`` gives 16-bit rows a float32 weight.  In
+tune_h200_20261203_s22/: ``early_dw`` / ``late_dw`` / ``early_fit`` (BWD_EARLY_DWEIGHT).
 """
 import argparse
 import json
@@ -41,7 +43,7 @@ SHAPES = [(32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192)
 # name -> {_config attribute: value}
 SETTINGS = {
     # packed 16-bit rows of 2 chunks a thread (N = 16384): the weight held for the program
-    # (spills 36-56 B) or loaded with each chunk; session 13's exp/wide2 also ran ``narrow`` /
+    # (spills 36-56 B) or loaded with each chunk; branch exp/wide2 also ran ``narrow`` /
     # ``wide`` (N = 8192 as 1024 x 1 or 512 x 2 chunks, knob not merged)
     "hold_w": {"BWD_HOLD_WEIGHT_MAX_CHUNKS": 2},
     "load_w": {"BWD_HOLD_WEIGHT_MAX_CHUNKS": 1},
@@ -51,7 +53,7 @@ SETTINGS = {
     "fp32_looped": {"BWD_MAX_CACHED_FLOATS": 8},
     # rows cached in registers up to 16 / 8 floats per array and thread (16-bit N = 16384: 2
     # chunks of 8 a thread at 16, looped at 8), the prefetch by threads of 1 chunk only; and the
-    # form before session 12 (cached at 16, the prefetch by threads of 2 chunks as well)
+    # form before 5cc526d (cached at 16, the prefetch by threads of 2 chunks as well)
     "cache_wide": {"BWD_MAX_CACHED_FLOATS": 16, "BWD_PREFETCH_MAX_CHUNKS": 1},
     "cache_narrow": {"BWD_MAX_CACHED_FLOATS": 8, "BWD_PREFETCH_MAX_CHUNKS": 1},
     "before_fix": {"BWD_MAX_CACHED_FLOATS": 16, "BWD_PREFETCH_MAX_CHUNKS": 2},
@@ -66,7 +68,7 @@ SETTINGS = {
     "mid": {"BWD_TWO_CHUNK_MIN_THREADS": {"cuda": 576, "hip": None}},
     # the backward grid's programs per SM (kernels/_config.BWD_BLOCKS_PER_SM caps them): 2 as
     # shipped, or 1 (with --unaligned: the scalar 16-bit N = 4096 kernels, which fit one block
-    # per SM, ran 132 programs before session 14 and run 264 since)
+    # per SM, ran 132 programs before 4a70b0a and run 264 since)
     "blocks_two": {"BWD_BLOCKS_PER_SM": 2},
     "blocks_one": {"BWD_BLOCKS_PER_SM": 1},
     # 16-bit scalar (unaligned) rows of one chunk a thread kept as words (packed; two 512-thread
@@ -74,8 +76,8 @@ SETTINGS = {
     "scalar_words": {"BWD_PACK_SCALAR_MIN_CHUNKS": {"cuda": 1, "hip": 2}},
     "scalar_floats": {"BWD_PACK_SCALAR_MIN_CHUNKS": {"cuda": 2, "hip": 2}},
     # the grid's programs: as many as fit (bwd_blocks_per_sm x SMs), or the fewest that keep the
-    # most row blocks a program takes where that is at most 16 (session 16 also ran ``p_round``:
-    # as many as fit rounded down to a multiple of 16, with a knob since removed)
+    # most row blocks a program takes where that is at most 16 (an earlier run also took
+    # ``p_round``: as many as fit rounded down to a multiple of 16, with a knob since removed)
     "p_fit": {"BWD_BALANCE_MAX_STEPS": {"cuda": 0, "hip": 0}},
     "p_balanced": {"BWD_BALANCE_MAX_STEPS": {"cuda": 16, "hip": 0}},
     # the dweight reduction: row groups per block x loads batched per thread
@@ -88,11 +90,11 @@ SETTINGS = {
     "reduce_g16_b16": {"BWD_REDUCE_GROUPS": 16, "BWD_REDUCE_BATCH": 16},
     "reduce_g4_b32": {"BWD_REDUCE_GROUPS": 4, "BWD_REDUCE_BATCH": 32},
     # packed 16-bit rows of up to 512 threads two to a block at their own named barriers, one
-    # partial row per block (session 17), or one row a block as before
+    # partial row per block (43a3399), or one row a block as before
     "paired": {"BWD_PAIRED_ROWS": {"cuda": True, "hip": False}},
     "unpaired": {"BWD_PAIRED_ROWS": {"cuda": False, "hip": False}},
-    # x, dy and dresidual loaded evict-first (ld.global.cs) at every M, or at none (session 18
-    # also ran an L2 evict-first policy and hinted dx stores, knobs since removed)
+    # x, dy and dresidual loaded evict-first (ld.global.cs) at every M, or at none (an earlier run
+    # also tried an L2 evict-first policy and hinted dx stores, knobs since removed)
     "stream_off": {"BWD_STREAM_MAX_BYTES": 0},
     "stream_cs": {"BWD_STREAM_LOADS": {"cuda": True, "hip": False}, "BWD_STREAM_MAX_BYTES": 1 << 60},
     # dweight by float32 atomics into one zeroed row, called with deterministic=False, or the
@@ -194,7 +196,7 @@ def main():
             row["pct_copy"] = 100 * row["GBps"] / copy
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del x, dy, dres
+        x = dy = dres = None    # free the case before the next one
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     name = (f"tune_bwd{'_dres' if args.dres else ''}{'_noweight' if args.no_weight else ''}"

@@ -4,7 +4,7 @@ Device time per call as the benchmark measures it (CUPTI kernel time, 256 MB wri
 each call; rmsnorm_hip._bench.timing), for each shape under candidate geometries (chunks per
 thread: kernels/_config.CHUNKS_PER_THREAD, patched here) and forms (worker processes with their
 own environment).  Results feed the frozen constants in _config.py; the persistent-grid and
-access-form sweeps of benchmarks/NOTES.md ran earlier versions of this script.
+access-form sweeps in docs/performance.md ran earlier versions of this script.
 """
 import argparse
 import json

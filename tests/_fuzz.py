@@ -1,4 +1,4 @@
-"""Random calls of every entry point checked against the float64 references (API.md's numerical
+"""Random calls of every entry point checked against the float64 references (docs/api.md's numerical
 contract, through ``rmsnorm_hip._numerics``), shared by the CPU / simulator fuzz
 (tests/test_fuzz.py) and the GPU one (tests/test_device_reliability.py).
 

@@ -1,4 +1,4 @@
-"""Shared test machinery: the tolerance table of API.md's numerical contract, ``assert_close``,
+"""Shared test machinery: the tolerance table of docs/api.md's numerical contract, ``assert_close``,
 random data, aligned allocations and backend selection.
 
 The numba-cuda simulator can only be switched on before ``numba.cuda`` is first imported, so this
@@ -15,6 +15,8 @@ from dataclasses import dataclass  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+from rmsnorm_hip._numerics import ulp  # noqa: E402,F401  (the one ulp; tests import it from here)
 
 SIM_ENABLED = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
 
@@ -34,15 +36,13 @@ class Tolerance:
     atol: float = 0.0
 
 
-# API.md, "Numerical contract", against a float64 reference from the same rounded inputs
+# docs/api.md, "Numerical contract", against a float64 reference from the same rounded inputs
 TOLERANCES = {
     FLOAT32: Tolerance(rel=1e-5),
     FLOAT16: Tolerance(rel=8e-3, ulps=2, atol=1e-6),
     BFLOAT16: Tolerance(rel=8e-3, ulps=2, atol=1e-6),
 }
 
-_MANTISSA_BITS = {FLOAT32: 23, FLOAT16: 10, BFLOAT16: 7}
-_MIN_EXPONENT = {FLOAT32: -126, FLOAT16: -14, BFLOAT16: -126}
 
 
 def np_dtype(dtype):
@@ -50,11 +50,6 @@ def np_dtype(dtype):
     return NUMPY[dtype] if isinstance(dtype, str) and dtype in NUMPY else np.dtype(dtype)
 
 
-def ulp(ref, dtype):
-    """Spacing of ``dtype`` at each |ref| (subnormal spacing below the normal range)."""
-    _, exp = np.frexp(np.abs(ref))
-    exp = np.where(ref == 0, _MIN_EXPONENT[dtype], np.maximum(exp - 1, _MIN_EXPONENT[dtype]))
-    return np.ldexp(1.0, exp - _MANTISSA_BITS[dtype])
 
 
 def assert_close(out, ref, dtype):
@@ -85,7 +80,7 @@ def assert_close(out, ref, dtype):
                 f"({err[first] / ulp(ref[first], dtype):.2f} ulp)")
 
 
-# API.md, quantised outputs: |q - q_ref| <= 1 level everywhere, equal for > 99.9% of elements;
+# docs/api.md, quantised outputs: |q - q_ref| <= 1 level everywhere, equal for > 99.9% of elements;
 # yscale like rstd (relative error < 1e-5)
 QUANT_DTYPES = ("int8", "float8_e4m3fn")
 QUANT_NUMPY = {"int8": np.dtype(np.int8), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
@@ -116,7 +111,7 @@ def _f64(a):
 
 
 def assert_dx(dx, dy, x, weight, rstd, ref, dtype, weight_offset=0.0):
-    """API.md: dx against s = |dy * (weight + weight_offset) * rstd| per element."""
+    """docs/api.md: dx against s = |dy * (weight + weight_offset) * rstd| per element."""
     scale = 1.0 if weight is None else _f64(weight) + weight_offset
     s = np.abs(_f64(dy) * scale * _f64(rstd).reshape(-1, 1).reshape(
         _f64(dy).shape[:-1] + (1,)))

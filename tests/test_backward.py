@@ -1,4 +1,4 @@
-"""rms_norm_backward against the float64 reference (API.md's dx/dweight contract), on the CPU
+"""rms_norm_backward against the float64 reference (docs/api.md's dx/dweight contract), on the CPU
 backend over the full matrix and on the simulator over every GPU kernel path."""
 import dataclasses
 
@@ -280,7 +280,7 @@ def test_programs_do_not_depend_on_the_variant(vendor):
     """dweight sums one partial row per program (or per pair of rows, paired), so every variant
     of a call shape (vector or scalar, rstd given or not, with or without dresidual) walks its
     rows in as many partial rows, summed alike: a row-strided call then gives bitwise its
-    contiguous copy's dweight (API.md)."""
+    contiguous copy's dweight (docs/api.md)."""
     from rmsnorm_hip.kernels import catalog
     programs = {}
     for variant in catalog.bwd_variants(vendor=vendor):

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.quick
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 try:
-    import torch  # noqa: F401  (the CPU mode's torch peer: API.md's `--compare torch`)
+    import torch  # noqa: F401  (the CPU mode's torch peer: docs/api.md's `--compare torch`)
     IMPLS = ("ours", "numpy", "torch")
 except ImportError:
     IMPLS = ("ours", "numpy")

@@ -1,6 +1,11 @@
-"""`rmsnorm-hip info` (API.md: backend found, device, arch, versions) on the backends a machine
-without a GPU has."""
+"""`rmsnorm-hip info` (docs/api.md: backend found, device, arch, versions) on the backends a machine
+without a GPU has; bad arguments and missing optional libraries: one line and an exit status, no
+traceback."""
+import importlib.metadata
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -30,3 +35,103 @@ def test_check_says_when_the_forced_gpu_backend_has_no_device(monkeypatch, capsy
     assert cli.main(["check"]) == 2
     err = capsys.readouterr().err
     assert f"RMSNORM_HIP_BACKEND={forced}, but no {forced.upper()} device was found" in err
+
+
+def _stopped(argv, capsys):
+    """(exit status, stderr) of ``rmsnorm-hip argv`` run in this process."""
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    return stopped.value.code, capsys.readouterr().err
+
+
+# argv -> the bad value the error line names; each fails in argument checking, before a kernel
+# compiles or a library is timed
+BAD_ARGV = [
+    (["frob"], "'frob'"),
+    (["check", "--seed", "x"], "'x'"),
+    (["cache", "frob"], "'frob'"),
+    (["bench", "--shapes", "4096"], "'4096'"),
+    (["bench", "--shapes", "64x256,axb"], "'axb'"),
+    (["bench", "--shapes", "0x5"], "(0, 5)"),
+    (["bench", "--dtypes", "int7"], "'int7'"),
+    (["bench", "--op", "nope"], "'nope'"),
+    (["bench", "--device", "cpu", "--compare", "frob"], "'frob'"),
+    (["bench", "--iters", "0"], "got 0"),
+    (["compile", "--target", "cuda", "--arch", "sm_foo"], "'sm_foo'"),
+    (["compile", "--jobs", "0"], "got 0"),
+]
+
+
+@pytest.mark.parametrize("argv, value", BAD_ARGV, ids=" ".join)
+def test_bad_arguments_exit_2_with_one_error_line(argv, value, capsys):
+    """argparse's convention for every value check: the usage, then one ``PROG: error:`` line
+    naming the value; no traceback."""
+    status, err = _stopped(argv, capsys)
+    assert status == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    last = err.rstrip("\n").splitlines()[-1]
+    assert last.startswith("rmsnorm-hip") and ": error: " in last and value in last, err
+
+
+@pytest.mark.parametrize("argv, missing, extra", [
+    (["bench", "--device", "cpu", "--plot", "out.png"], "matplotlib", "bench"),
+    (["bench", "--device", "cpu", "--compare", "torch"], "torch", "torch"),
+    (["bench", "--device", "cuda"], "torch", "torch"),
+    (["bench", "--decode"], "torch", "torch"),
+])
+def test_a_missing_extra_names_the_pip_command_and_exits_1(monkeypatch, capsys, argv, missing,
+                                                           extra):
+    """An option whose library is not installed stops before any work (``--plot`` does not run
+    the benchmark to draw nothing), one line naming the extra of pyproject.toml."""
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ModuleNotFoundError
+    status, err = _stopped(argv, capsys)
+    assert status == 1
+    assert err.count("\n") == 1 and f'pip install "rmsnorm-hip[{extra}]"' in err, err
+
+
+def test_compile_without_its_compiler_names_the_extra(monkeypatch, capsys):
+    def version(dist):
+        raise importlib.metadata.PackageNotFoundError(dist)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    status, err = _stopped(["compile", "--target", "hip"], capsys)
+    assert status == 1 and err.count("\n") == 1
+    assert 'needs numba-hip, which is not installed: pip install "rmsnorm-hip[rocm]"' in err
+
+
+def test_gpu_check_without_torch_or_cupy_names_the_extra(monkeypatch, capsys):
+    monkeypatch.delenv("RMSNORM_HIP_BACKEND", raising=False)
+    monkeypatch.setattr(cli, "detect", lambda: ("cuda", "a GPU"))
+    for module in ("torch", "cupy"):
+        monkeypatch.setitem(sys.modules, module, None)
+    assert cli.main(["check"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'pip install "rmsnorm-hip[cuda]"' in err, err
+
+
+def test_bench_without_torch_leaves_the_torch_peers_out(monkeypatch):
+    """Every peer (the default ``--compare all``) means the peers installed: without torch the
+    CPU run has ours and NumPy, no torch column and no ModuleNotFoundError in its report; a peer
+    asked for by name is still recorded as unavailable."""
+    from rmsnorm_hip._bench import ops, runner
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert list(runner._implementations(ops.OPS["fwd"], "cpu", "all")) == ["ours", "numpy"]
+    named = runner._implementations(ops.OPS["fwd"], "cpu", "torch")
+    assert isinstance(named["torch"], ModuleNotFoundError)
+
+
+@pytest.mark.full
+def test_check_without_torch_prints_no_traceback_or_warning(tmp_path):
+    """The main job on a machine without torch (a `torch` module that fails to import, first on
+    the path): the table and PASS, nothing on stderr.  Full tier: the check compiles every CPU
+    kernel (about 30 s on a cold kernel cache)."""
+    (tmp_path / "torch.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    env = dict(os.environ, RMSNORM_HIP_BACKEND="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path),
+                                                        os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "rmsnorm_hip", "check"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.splitlines()[-1] == "PASS"
+    assert "torch" not in done.stdout and "Error" not in done.stdout

@@ -98,7 +98,7 @@ def test_backward_dresidual_and_offset(poisoned, m, n, dtype):
 @pytest.mark.parametrize("given_rstd", [True, False], ids=["rstd", "recompute"])
 def test_row_strided_backward_is_its_contiguous_copys(dtype, n, given_rstd):
     """Rows one element off 16 bytes (the scalar kernels) give bitwise the contiguous copy's dx
-    and dweight (API.md), at an M past two programs an SM: the programs' partial rows are
+    and dweight (docs/api.md), at an M past two programs an SM: the programs' partial rows are
     dweight's summation order, and the scalar and vector kernels once ran different numbers of
     them (264 and 132 at 16-bit N = 4096 on an H200).  Both within float64's tolerances."""
     m = 333

@@ -1,4 +1,4 @@
-"""The test harness itself: assert_close enforces API.md's tolerances (and no looser), the
+"""The test harness itself: assert_close enforces docs/api.md's tolerances (and no looser), the
 reference is float64 from the rounded inputs, and the aligned allocator aligns."""
 import numpy as np
 import pytest

@@ -278,3 +278,44 @@ def test_max_nan():
         one, two, nan = np.float32(1), np.float32(2), np.float32(np.nan)
         assert max_nan(one, two) == 2 and max_nan(two, one) == 2
         assert np.isnan(max_nan(nan, one)) and np.isnan(max_nan(one, nan))
+
+
+# ---- the declared interface (intrinsics.COMMON / GPU / FEATURES) ----------------------------
+
+@pytest.mark.parametrize("name,warp,features", [("cpu", None, set()),
+                                                ("sim", 32, {"gpu", "max_abs_nan"}),
+                                                ("sim", 64, {"gpu", "max_abs_nan"})])
+def test_namespaces_provide_exactly_the_declared_names(name, warp, features):
+    namespace = intrinsics.load(name, warp)     # load checks the declaration
+    assert set(namespace.features) == features
+    assert intrinsics.COMMON <= set(vars(namespace))
+
+
+def test_cuda_namespace_provides_the_declared_names():
+    """numba-cuda's namespace, built in a subprocess with the simulator off (no GPU needed)."""
+    import os
+    import subprocess
+    import sys
+    code = ("from rmsnorm_hip import intrinsics; n = intrinsics.load('cuda'); "
+            "print(sorted(n.features), n.warp)")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode and "libnvvm" in done.stderr.lower():
+        pytest.skip("numba-cuda's NVVM is not installed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["['gpu',", "'max_abs_nan']", "32"]
+
+
+def test_check_refuses_missing_and_undeclared_names():
+    from types import SimpleNamespace
+    good = vars(intrinsics.load("cpu"))
+    missing = SimpleNamespace(**{k: v for k, v in good.items() if k != "warp_sum"})
+    with pytest.raises(TypeError, match=r"missing \['warp_sum'\]"):
+        intrinsics.check(missing)
+    extra = SimpleNamespace(**good, load_b128=None)
+    with pytest.raises(TypeError, match=r"undeclared \['load_b128'\]"):
+        intrinsics.check(extra)
+    unknown = SimpleNamespace(**{**good, "features": frozenset({"tensor_cores"})})
+    with pytest.raises(TypeError, match=r"unknown features \['tensor_cores'\]"):
+        intrinsics.check(unknown)

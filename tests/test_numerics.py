@@ -58,7 +58,7 @@ def reference(op, x, residual, dy, weight, eps, quant_dtype="int8", rstd=None):
 
 
 def assert_contract(op, out, ref, dtype, x, dy, weight, eps, rstd=None, quant_dtype="int8"):
-    """Every output of ``op`` within API.md's contract against the float64 reference."""
+    """Every output of ``op`` within docs/api.md's contract against the float64 reference."""
     if op == "quant":
         ok, rel, levels = _numerics.quant_within_contract(out["q"], out["yscale"], ref["q"],
                                                           ref["yscale"], quant_dtype)
@@ -119,7 +119,7 @@ def test_nan_and_inf_stay_in_their_row(use_backend, rng, op, dtype, backend_name
 
 # ---- huge values -------------------------------------------------------------------------------
 OVERFLOW = ("a row's float32 sum of squares overflows for |x| > ~1.8e19 (x**2 > 3.4e38): rstd "
-            "comes out 0 and the row normalises to 0 (quant: q = 0, yscale = 1); API.md asks for "
+            "comes out 0 and the row normalises to 0 (quant: q = 0, yscale = 1); docs/api.md asks for "
             "no overflow — needs a scaled sum of squares in the kernels")
 DOT_OVERFLOW = ("the backward's float32 sum(x * dy * w) overflows for a bf16 row of 1e38: dx is "
                 "NaN even with rstd given")

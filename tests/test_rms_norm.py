@@ -240,7 +240,7 @@ def test_empty_batch(dtype, shape):
     assert result is out
 
 
-# Batch invariance (API.md): a row's bits do not depend on M, its position or its alignment.
+# Batch invariance (docs/api.md): a row's bits do not depend on M, its position or its alignment.
 # CPU: M * N past PARALLEL_MIN_ELEMENTS runs the parallel kernel, a lone row the serial one.
 # Simulator: flavors of tests/_paths.py (N picked per path), M spilling into a second block.
 INVARIANCE_CASES = (

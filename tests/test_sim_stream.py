@@ -64,8 +64,8 @@ QUICK = {("rms_norm", "row", 3), ("quant_int8", "multirow_warps", 3),
 
 @pytest.mark.parametrize("op,flavor,rows_per_program", full_tier_except(CASES, QUICK.__contains__),
                          ids=lambda v: str(v))
-def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, flavor,
-                                                  rows_per_program):  # noqa: F811
+def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, flavor,  # noqa: F811
+                                                  rows_per_program):
     be = sim()
     quant = op.startswith("quant")
     dtype = FLOAT16 if op == "fused_add_" else BFLOAT16

@@ -1,5 +1,5 @@
 """The torch adapter (rmsnorm_hip.torch) on CPU tensors (the CPU backend): values and gradients
-against torch's own F.rms_norm / autograd in float64 (API.md's tolerances), the RMSNorm module
+against torch's own F.rms_norm / autograd in float64 (docs/api.md's tolerances), the RMSNorm module
 against torch.nn.RMSNorm (state_dict both ways, eps=None, normalized_shape tuples, repr), the
 model swap, layouts, errors, every custom op through torch.library.opcheck, and a
 torch.compile(fullgraph=True) trace with dynamic batch sizes (aot_eager: fake implementations and

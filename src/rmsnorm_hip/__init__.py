@@ -1,5 +1,5 @@
 """rmsnorm_hip: RMSNorm kernels written in Python with Numba, for AMD gfx942/gfx950 (numba-hip),
-NVIDIA (numba-cuda) and the CPU, from one kernel source.  See API.md for the contract."""
+NVIDIA (numba-cuda) and the CPU, from one kernel source.  docs/api.md is the API reference."""
 from .functional import (fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_backward,
                          rms_norm_quant)
 

@@ -1,4 +1,5 @@
-"""API.md's numerical contract as a function: used by ``rmsnorm-hip check`` (tests keep their own)."""
+"""The numerical contract (docs/api.md) as functions: used by ``rmsnorm-hip check``; the tests'
+``ulp`` is this one."""
 import numpy as np
 
 from . import _dtypes, reference
@@ -8,9 +9,11 @@ _MIN_EXP = {_dtypes.FLOAT32: -126, _dtypes.FLOAT16: -14, _dtypes.BFLOAT16: -126}
 
 
 def ulp(ref, dtype):
-    """Spacing of ``dtype`` at each |ref| (float64)."""
+    """Spacing of ``dtype`` at each |ref| (float64): the subnormal spacing below the normal range
+    and at zero.  The one definition: the tests use it too."""
     _, exp = np.frexp(np.abs(ref))
-    return np.ldexp(1.0, np.maximum(exp - 1, _MIN_EXP[dtype]) - _MANTISSA[dtype])
+    exp = np.where(np.asarray(ref) == 0, _MIN_EXP[dtype], np.maximum(exp - 1, _MIN_EXP[dtype]))
+    return np.ldexp(1.0, exp - _MANTISSA[dtype])
 
 
 def within_contract(out, ref, dtype):
@@ -59,7 +62,7 @@ def quant_within_contract(q, yscale, q_ref, yscale_ref, quant_dtype, tie=1e-5):
     return ok_levels and ok_scale, rel, float(diff.max(initial=0))
 
 def dx_within_contract(dx, ref, s, dtype):
-    """API.md's dx rule: errors measured against s = |dy (weight + offset) rstd| per element."""
+    """The contract's dx rule (docs/api.md): errors measured against s = |dy (weight + offset) rstd| per element."""
     dx = np.asarray(dx, dtype=np.float64)
     err = np.abs(dx - ref)
     norm_s = np.linalg.norm(s)

@@ -88,8 +88,9 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _real(value, fn, arg, what):
-    """``value`` as a Python float that float32 holds finitely: a Python or NumPy real number, or
-    a one-element array / tensor of one.  Booleans (``True``, ``np.bool_``) and complex numbers
+    """``value`` as a Python float that float32 holds finitely: a Python or NumPy real number, a
+    0-d array, or a tensor of one element (what ``float()`` takes; NumPy 2.5 refuses arrays of
+    shape (1,)).  Booleans (``True``, ``np.bool_``) and complex numbers
     raise TypeError; NaN, infinities and magnitudes past float32's range ValueError, saying
     ``what`` the argument must be."""
     kind = getattr(value, "dtype", None)

@@ -34,6 +34,7 @@ compile-only environment for that on a machine without ROCm); the NVIDIA target 
 """
 import argparse
 import glob
+import importlib.metadata
 import importlib.util
 import json
 import multiprocessing
@@ -52,7 +53,7 @@ MAIN_KERNEL_MAX_VGPRS = 64
 #   float32 N = 16384 backward rows (1024 threads x 4 chunks: x, dy, the weight and the dweight
 #   partial are 64 floats a thread, in a block held to 64 registers); looped instead they
 #   re-read x and dy and took 520 us against 359 at 4096x16384 with dresidual on the H200
-#   (benchmarks/NOTES.md, session 13).
+#   (docs/performance.md).
 #   16-bit N = 16384 unaligned (scalar) rows with rstd recomputed and dresidual: 96 B (168 before
 #   they kept x and dy as words); the unaligned fallback of a 16-bit-weight call.
 SM90_SPILL_ALLOWANCE = {
@@ -532,6 +533,20 @@ def main(argv=None):
                         help="report resources without failing on scratch, spills, missing "
                              "128-bit accesses or the main-kernel VGPR limit")
     args = parser.parse_args(argv)
+    for arch in args.archs or ():
+        if args.target == "cuda" and not re.fullmatch(r"sm_(\d+)(\d)a?", arch):
+            parser.error(f"--arch: a CUDA arch looks like sm_90, got {arch!r}")
+        if args.target == "hip" and not re.fullmatch(r"gfx[0-9a-f]{3,4}", arch):
+            parser.error(f"--arch: an AMD arch looks like gfx942, got {arch!r}")
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    # The compiler is an optional extra: without it every worker would fail with a traceback.
+    dist, extra = ("numba-cuda", "cuda") if args.target == "cuda" else ("numba-hip", "rocm")
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        parser.exit(1, f"{parser.prog}: --target {args.target} needs {dist}, which is not "
+                       f"installed: pip install \"rmsnorm-hip[{extra}]\"\n")
     failing = compile_all(args.archs, args.report, args.target, only=args.only, jobs=args.jobs,
                           keep_dir=args.keep, check=args.check)
     return 1 if failing else 0

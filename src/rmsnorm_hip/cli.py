@@ -75,8 +75,19 @@ def cmd_info(args):
     return 0
 
 
-def _device_arrays():
-    """(to_device(np_array, dtype) -> (array, dtype kw), to_host, library) for a GPU check."""
+# What installs an array library for a GPU check: pyproject.toml's extras ([cuda] brings CuPy for
+# CUDA 13, [cuda12] for CUDA 12); no extra installs a ROCm build of torch or CuPy.
+_ARRAYS_HINT = {
+    "cuda": 'pip install "rmsnorm-hip[cuda]" (CuPy; "rmsnorm-hip[cuda12]" for CUDA 12) or '
+            '"rmsnorm-hip[torch]"',
+    "hip": "install a ROCm build of torch or CuPy",
+}
+
+
+def _device_arrays(name="cuda"):
+    """(to_device(np_array, dtype) -> (array, dtype kw), to_host, library) for a GPU check.
+    Raises ImportError, its message naming what to install, when neither torch (with a GPU) nor
+    CuPy imports."""
     try:
         import torch
         if not torch.cuda.is_available():
@@ -96,7 +107,11 @@ def _device_arrays():
             return t.cpu().numpy()
         return to_device, to_host, "torch"
     except ImportError:
-        import cupy
+        try:
+            import cupy
+        except ImportError as error:
+            raise ImportError(f"checking the {name} backend needs torch or CuPy for device "
+                              f"arrays ({error}): {_ARRAYS_HINT[name]}") from None
 
         def to_device(a, dtype):
             kw = dtype if dtype in _dtypes.HALF_DTYPES else None
@@ -159,7 +174,11 @@ def cmd_check(args):
         return 2
     rng = np.random.default_rng(args.seed)
     if name in ("cuda", "hip"):
-        to_device, to_host, lib = _device_arrays()
+        try:
+            to_device, to_host, lib = _device_arrays(name)
+        except ImportError as error:
+            print(f"rmsnorm-hip check: {error}", file=sys.stderr)
+            return 1
     else:
         lib = "numpy"
         to_device = lambda a, dtype: (a, None)  # noqa: E731

@@ -1,4 +1,4 @@
-"""The public entry points of API.md over NumPy, CuPy, torch, ``__cuda_array_interface__`` and
+"""The public entry points (docs/api.md) over NumPy, CuPy, torch, ``__cuda_array_interface__`` and
 DLPack arrays.  Validation happens here, before any launch; kernels run on the backend chosen by
 :func:`rmsnorm_hip.backends.for_array`.
 
@@ -56,12 +56,14 @@ def rms_norm(x, weight=None, eps=1e-6, *, weight_offset=0.0, out=None, return_rs
     ----------
     x : array (..., N) of float32, float16 or bfloat16; rows may be strided (unit last stride).
     weight : array (N,) in x's dtype, or float32 for 16-bit x; None for no scaling.
-    eps : float >= 0.
+    eps : finite float >= 0.
     weight_offset : added to weight (1.0 gives Gemma's ``1 + w``); must be 0 without weight.
     out : array like x to write y into: x itself, or memory sharing no element with x or
-        weight (rows may be strided, e.g. the columns beside x in one wider buffer).
+        weight (rows may be strided, e.g. the columns beside x in one wider buffer).  It is
+        returned as y.
     return_rstd : also return the float32 (M,) rstd.
-    dtype : "bfloat16" / "float16" to read uint16 storage (CuPy has no bfloat16).
+    dtype : "bfloat16" / "float16" to read uint16 storage (CuPy has no bfloat16); outputs
+        of x's dtype then come back as uint16 storage too.
 
     Returns
     -------
@@ -228,7 +230,7 @@ def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quan
     -------
     (q, yscale), or (q, yscale, residual_out) when residual is given.  q has x's shape: int8, or
     float8_e4m3fn (``ml_dtypes.float8_e4m3fn`` for NumPy, ``torch.float8_e4m3fn`` for torch,
-    uint8 bits for CuPy); yscale is float32 (M,).
+    uint8 bits for CuPy and other ``__cuda_array_interface__`` arrays); yscale is float32 (M,).
     """
     fn = "rms_norm_quant"
     key = None
@@ -317,7 +319,8 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, *, weight_offset=0.0, dresi
 
     Returns
     -------
-    (dx, dweight) — dx shaped like x in x's library; dweight (N,) or None.
+    (dx, dweight) — dx shaped like x in x's library; dweight (N,) in weight's dtype (zeros
+    when M == 0), or None without weight.
     """
     if dtype is None:
         key = _arrays.fast_key(x, weight, (_backend_env(), deterministic is False),

@@ -1,4 +1,4 @@
-"""float64 NumPy references for API.md's numerical contract.
+"""float64 NumPy references for the numerical contract (docs/api.md).
 
 Each ``<op>_ref`` takes the same (already rounded) arrays the kernels see: NumPy float32,
 float16, ``ml_dtypes.bfloat16``, or CPU torch tensors.  It upcasts them exactly to float64 and

@@ -1,4 +1,4 @@
-"""The torch adapter (API.md, "Torch adapter"): differentiable :func:`rms_norm` and
+"""The torch adapter (docs/api.md, "Module rmsnorm_hip.torch"): differentiable :func:`rms_norm` and
 :func:`fused_add_rms_norm`, the quantised forward :func:`rms_norm_quant`, :class:`RMSNorm` (a
 drop-in for ``torch.nn.RMSNorm``, plus ``weight_offset``) and :func:`replace_rmsnorm`.
 

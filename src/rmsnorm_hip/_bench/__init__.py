@@ -28,7 +28,7 @@ Python::
 Command line: ``rmsnorm-hip bench [...]`` calls ``runner.main(argv)``; so does
 ``python -m rmsnorm_hip._bench [...]`` (``--help`` lists the options).
 
-Method (benchmarks/NOTES.md has the reasons):
+Method (docs/performance.md has the reasons):
 
 - CUDA (torch tensors): every implementation runs in the same process on the same inputs. Device
   time per call = median over 20 calls of the summed durations of the GPU activities one call
@@ -54,7 +54,7 @@ the capture stream), what a serving engine's decode step sees; ``us``, the flush
 above; ``warm_us``, the device time with no flush (a one-element marker kernel separates the
 calls in the trace); ``host_us``, 300 eager calls and one sync (median of 5 rounds that take
 the implementations in turn, garbage collection off).  Checks, graph and host figures of all
-cases run before the first profiler session, which may leave CUPTI attached and add to the
+cases run before the profiler's first run, which may leave CUPTI attached and add to the
 host cost of every later launch.  Its result has
 ``mode`` "decode", ``ops`` and flat ``records`` (``op`` and the four figures in each, None where
 not measured); the tables give best peer / ours per figure.

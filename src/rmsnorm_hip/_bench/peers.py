@@ -10,7 +10,7 @@ never stops the others, and this module imports without torch.
 
 
 def ours_rms_norm():
-    """The array API (API.md): DLPack in and out, on torch's current stream."""
+    """The array API (docs/api.md): DLPack in and out, on torch's current stream."""
     import rmsnorm_hip
 
     return rmsnorm_hip.rms_norm

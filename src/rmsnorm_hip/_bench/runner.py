@@ -188,7 +188,7 @@ def _warm_up(target, impls, args):
     """Times every implementation once on the case's inputs and discards the numbers.  On the
     H200 the first implementation timed after a large case ran slow for about a second (the
     fused add at 4096x4096: 38.6 us right after 32768x4096, 34.4-35.9 us in the next five
-    timings of the same call; benchmarks/NOTES.md), so without this pass the order of the
+    timings of the same call; docs/performance.md), so without this pass the order of the
     implementations, not the implementations, decided part of the table.  An implementation
     that fails here fails again in its recorded timing, which records the error."""
     for impl in impls.values():
@@ -231,14 +231,29 @@ def _dtype_name(dtype):
 def _implementations(spec, target_name, compare):
     """{name: callable, or the exception its factory raised}: ours first, then the chosen peers."""
     factories = dict(spec.ours.get(target_name, {}))
-    factories.update(_chosen_peers(spec.peers.get(target_name, {}), compare))
+    chosen = _chosen_peers(spec.peers.get(target_name, {}), compare)
+    factories.update(chosen)
     impls = {}
     for name, factory in factories.items():
         try:
             impls[name] = factory()
         except Exception as error:  # a peer that does not import is recorded, not fatal
+            if name in chosen and (compare is True or compare == "all") \
+                    and _not_installed(name, error):
+                continue  # every peer means those installed; one named is recorded unavailable
             impls[name] = error
     return impls
+
+
+# The library each peer family imports first: a peer whose own library is absent is not part of
+# an "every peer" run (a missing dependency of an installed peer still gets its record).
+_PEER_LIBRARY = {"torch": "torch", "liger": "liger_kernel", "quack": "quack"}
+
+
+def _not_installed(peer, error):
+    library = _PEER_LIBRARY.get(peer.split("_")[0])
+    return (isinstance(error, ModuleNotFoundError) and library is not None
+            and (error.name or "").split(".")[0] == library)
 
 
 def _chosen_peers(available, compare):
@@ -341,17 +356,15 @@ class _Progress:
 def main(argv=None):
     """Command line: `rmsnorm-hip bench ...` or `python -m rmsnorm_hip._bench ...`.
 
-    Exit status 1 when our array API ("ours") is missing or fails a check, 2 on bad arguments
-    (also --decode without a CUDA GPU), else 0.
+    Exit status 1 when our array API ("ours") is missing or fails a check, or when a library the
+    options need is not installed (one line naming the extra); 2 on bad arguments (also --decode
+    or --device cuda without a CUDA GPU), else 0.
     """
     parser = _parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
 
-    def split(values):
-        return None if values is None else [v for value in values for v in value.split(",") if v]
-
-    result = run(op=args.ops or args.op, shapes=split(args.shapes), dtypes=split(args.dtypes),
+    result = run(op=args.ops or args.op, shapes=_split(args.shapes), dtypes=_split(args.dtypes),
                  json_path=args.json_path, plot_path=args.plot_path, compare=args.compare,
                  progress=args.progress, device=args.device, iters=args.iters, flush=args.flush,
                  host_overhead=args.host_overhead, seed=args.seed, decode=args.decode,
@@ -420,14 +433,39 @@ def _decode_ops():
 
 
 def _check_args(parser, args):
-    """parser.error (exit 2, one line on stderr) for what argparse cannot check itself."""
+    """parser.error (exit 2: the usage, then one error line) for what argparse cannot check
+    itself, before anything is imported or timed; exit 1 with the pip command when an optional
+    library the arguments need is missing (_need)."""
     for name in ("iters", "graph_calls", "graph_replays", "host_calls", "host_repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for option, values, check in (("--shapes", args.shapes, _shape),
+                                  ("--dtypes", args.dtypes, _dtype_name)):
+        for value in _split(values) or ():
+            try:
+                check(value)
+            except ValueError as error:
+                parser.error(f"{option}: {str(error).removeprefix('run: ')}")
     if not args.decode:
         if args.ops:
             parser.error("--ops goes with --decode (one op without it: --op)")
+        if args.plot_path:
+            _need(parser, "matplotlib", "--plot")
+        if args.device == "cuda":
+            _need(parser, "torch", "--device cuda")
+        target = _target_name(args.device)
+        if target is None:
+            parser.exit(2, f"{parser.prog}: error: --device cuda: torch sees no CUDA GPU\n")
+        chosen = set()
+        for op in ops.ALL if args.op == "all" else [args.op or "fwd"]:
+            try:
+                chosen |= set(_chosen_peers(ops.OPS[op].peers.get(target, {}), args.compare))
+            except ValueError as error:
+                parser.error(f"--compare: {str(error).removeprefix('run: compare: ')} "
+                             f"(op {op}, {target})")
+        if args.compare not in ("all", "none") and any(p.split("_")[0] == "torch" for p in chosen):
+            _need(parser, "torch", f"--compare {args.compare}")
         return
     from . import decode as decode_mode
 
@@ -436,11 +474,55 @@ def _check_args(parser, args):
     if args.ops and args.op:
         parser.error("--decode: give --ops or --op, not both")
     try:
-        decode_mode.op_names(args.ops or args.op)
+        names = decode_mode.op_names(args.ops or args.op)
     except ValueError as error:
         parser.error(str(error))
+    if args.device == "cpu":
+        _no_gpu(parser, "--device cpu")
+    _need(parser, "torch", "--decode")
     if not decode_mode.cuda_available(args.device):
-        # The arguments are fine, the machine is not: the error line without the usage.
-        where = "--device cpu" if args.device == "cpu" else "torch sees no CUDA GPU"
-        parser.exit(2, f"{parser.prog}: error: --decode needs a CUDA GPU (CUDA graphs and device "
-                       f"time): {where}\n")
+        _no_gpu(parser, "torch sees no CUDA GPU")
+    try:
+        decode_mode._per_op_compare({name: ops.OPS[name] for name in names}, args.compare)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def _no_gpu(parser, where):
+    # The arguments are fine, the machine is not: the error line without the usage.
+    parser.exit(2, f"{parser.prog}: error: --decode needs a CUDA GPU (CUDA graphs and device "
+                   f"time): {where}\n")
+
+
+def _split(values):
+    """--shapes / --dtypes as given (space or comma separated) -> a flat list, or None."""
+    return None if values is None else [v for value in values for v in value.split(",") if v]
+
+
+def _target_name(device):
+    """The target make_target(device) makes: "cuda", "cpu", or None for --device cuda without a
+    GPU torch sees."""
+    if device == "cpu":
+        return "cpu"
+    try:
+        import torch
+    except ImportError:
+        return "cpu"  # auto; --device cuda has been refused by _need already
+    if torch.cuda.is_available():
+        return "cuda"
+    return None if device == "cuda" else "cpu"
+
+
+# The extra of pyproject.toml that installs each optional library the command line may need.
+_EXTRAS = {"torch": "torch", "matplotlib": "bench"}
+
+
+def _need(parser, module, what):
+    """Exit 1 with one line naming the extra to install when ``module`` does not import."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        parser.exit(1, f"{parser.prog}: {what} needs {module} ({error}): "
+                       f"pip install \"rmsnorm-hip[{_EXTRAS[module]}]\"\n")

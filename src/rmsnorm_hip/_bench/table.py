@@ -154,6 +154,38 @@ def markdown(result):
     return "\n".join(parts)
 
 
+OP_TITLES = {"fwd": "rms_norm", "fused": "fused_add_rms_norm",
+             "quant": "rms_norm_quant int8 (SmoothQuant)",
+             "quant_fp8": "rms_norm_quant fp8 (SmoothQuant)", "bwd": "rms_norm_backward",
+             "bwd_dres": "rms_norm_backward, dresidual"}
+
+
+def summary_markdown(runs, shapes):
+    """One row per (op, shape in ``shapes``) of the per-op runs ({op: result}): ours and the
+    best peer in % of the copy bandwidth measured in their run, and best peer / ours."""
+    header = ["op", "shape", "rmsnorm_hip", "best peer", "ratio"]
+    rows = []
+    order = list(OP_TITLES)
+    for op in sorted(runs, key=lambda op: order.index(op) if op in order else len(order)):
+        _, _, cells = _grid(runs[op]["records"])
+        for M, N in shapes:
+            group = {impl: r for (key, impl), r in cells.items()
+                     if key == (M, N, "bfloat16") and r["ok"] and "pct_copy" in r}
+            ours = group.get("ours")
+            peers = [(r["pct_copy"], impl) for impl, r in group.items()
+                     if not impl.startswith("ours")]
+            if ours is None:
+                continue
+            best, name = max(peers) if peers else (None, None)
+            rows.append([OP_TITLES.get(op, op), f"{M}x{N}", f"{ours['pct_copy']:.0f}%",
+                         f"{best:.0f}% ({LABELS.get(name, name)})" if peers else "–",
+                         f"{ours['pct_copy'] / best:.2f}" if peers else "–"])
+    caption = ("% of the device-to-device copy bandwidth measured in the same run, bf16, "
+               "device time with the L2 flushed before each call; ratio: ours / best peer "
+               "(> 1: ours is faster).")
+    return caption + "\n\n" + _markdown_table(header, rows, right_from=2)
+
+
 def plot(result, path):
     """Grouped bars of GB/s per case and implementation, the copy bandwidth as a dashed line; one
     panel per op for an ``all`` result."""

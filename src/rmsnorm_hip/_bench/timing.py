@@ -248,6 +248,15 @@ def wall_time(fn, min_calls=5, max_calls=200, budget_s=1.0):
     return {"us": statistics.median(samples), "us_min": min(samples), "us_max": max(samples)}
 
 
+def same_bytes_copy(nbytes):
+    """A torch device-to-device copy moving ``nbytes`` (half read, half written), as a callable:
+    what the copy engine reaches for an op's own bytes under the same method."""
+    import torch
+    src = torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda *_: dst.copy_(src)
+
+
 def _copy_result(seconds_per_copy, nbytes):
     gbps = [2 * nbytes / s / 1e9 for s in seconds_per_copy]  # bytes read + bytes written
     return {"gbps": statistics.median(gbps), "gbps_max": max(gbps), "bytes_moved": 2 * nbytes}

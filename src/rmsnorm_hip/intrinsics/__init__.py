@@ -45,8 +45,42 @@ Names every GPU namespace provides
                                   barrier 1 + group); the whole block where there are no named
                                   barriers (AMD, the simulator): every group must then pass it
                                   as many times
+
+The declaration below is checked whenever a namespace is built (``load``): a backend that lacks
+a declared name, or has one nobody declared, fails there rather than in a kernel.
 """
 import functools
+
+# what every namespace provides, the CPU's included (a CPU "row" is one thread: its warp_sum is
+# the identity)
+COMMON = frozenset({
+    "name", "warp", "gpu", "jitable", "features", "fma", "f32_as_u32", "u32_as_f32",
+    "bf16_to_f32", "f32_to_bf16", "f16_to_f32", "f32_to_f16", "pack_bf16x2", "pack_f16x2",
+    "f32_to_i8", "f32_to_e4m3", "pack_e4m3x2", "max_nan", "warp_sum", "warp_max"})
+# what every GPU namespace adds
+GPU = COMMON | frozenset({
+    "shared_alignment", "align_offset", "load_b128", "load_b128_stream", "store_b128",
+    "store_b64", "store_b32", "max_abs", "atomic_add_f32", "atomic_add_f32x4", "row_barrier",
+    "wait_prior_grids", "release_dependents"})
+# optional capabilities a namespace lists in ``features``, with the names each brings
+FEATURES = {
+    "gpu": GPU - COMMON,            # 128-bit and aligned accesses, barriers, atomics, launches
+    "max_abs_nan": frozenset({"max_abs_nan"}),  # NaN-propagating max|v| in one instruction
+}
+
+
+def check(namespace):
+    """``namespace`` if it provides exactly the declared names for its ``features``, else a
+    TypeError listing the missing and the undeclared ones."""
+    features = namespace.features
+    unknown = set(features) - set(FEATURES)
+    expected = set(COMMON).union(*(FEATURES[f] for f in features if f in FEATURES))
+    names = set(vars(namespace))
+    if unknown or names != expected:
+        raise TypeError(f"intrinsics {namespace.name!r}: missing {sorted(expected - names)}, "
+                        f"undeclared {sorted(names - expected)}, unknown features "
+                        f"{sorted(unknown)}")
+    return namespace
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,14 +88,14 @@ def load(name, warp=None):
     """The intrinsics namespace of backend ``name`` (``warp`` only for the simulator)."""
     if name == "cuda":
         from . import cuda
-        return cuda.build()
+        return check(cuda.build())
     if name == "sim":
         from . import sim
-        return sim.build(warp or 32)
+        return check(sim.build(warp or 32))
     if name == "hip":
         from . import hip
-        return hip.build()
+        return check(hip.build())
     if name == "cpu":
         from . import cpu
-        return cpu.build()
+        return check(cpu.build())
     raise ValueError(f"unknown backend {name!r}")

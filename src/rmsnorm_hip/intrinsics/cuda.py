@@ -1,7 +1,7 @@
 """numba-cuda intrinsics (NVIDIA): 32-lane warps, ``shfl_xor_sync``.
 
 128-bit accesses are plain LLVM loads/stores: the same accesses written as inline PTX with cache
-hints measured slower on the H200 (benchmarks/NOTES.md): ld.global.nc with .L2::256B and
+hints measured slower on the H200 (docs/performance.md): ld.global.nc with .L2::256B and
 st.global.cs 3-15 points at every LLM shape; ld.global.cs, or an L2 evict-first cache policy, on
 every load 8-17 points at the large shapes.  ``load_b128_stream`` (ld.global.cs) is for the
 backward's calls of few bytes, where it measured faster (_config.BWD_STREAM_LOADS).
@@ -40,7 +40,7 @@ def build():
 
     shared.update(pack_bf16x2=pack_bf16x2, f32_to_bf16=f32_to_bf16)
     # 8-bit levels in one conversion each, for the same reason (SmoothQuant int8 measured at
-    # 35-53% of copy with the integer encoders: benchmarks/NOTES.md)
+    # 35-53% of copy with the integer encoders: docs/performance.md)
     quant = _llvm.define_ptx_quant(intrinsic, shared["pack_e4m3x2"])
     pack_e4m3x2 = quant["pack_e4m3x2"]
 
@@ -53,6 +53,6 @@ def build():
     shared.update(load_b128_stream=_llvm.define_stream_load(intrinsic))
     compiled.update(_llvm.define_ptx_red(intrinsic))   # NVVM refuses atomicrmw fadd
     compiled.update(_llvm.define_grid_dependency(intrinsic))
-    return SimpleNamespace(name="cuda", warp=WARP, shared_alignment=16,
+    return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="cuda", warp=WARP, shared_alignment=16,
                            gpu=cuda, jitable=register_jitable,
                            **compiled, **shared)

@@ -312,7 +312,7 @@ def build(warp):
     _event_driven_blocks()
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
     shared.warp_sum, shared.warp_max = _make_warp_reductions(warp, shared.max_nan)
-    return SimpleNamespace(name="sim", warp=warp, shared_alignment=16,
+    return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="sim", warp=warp, shared_alignment=16,
                            gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
                            align_offset=align_offset,

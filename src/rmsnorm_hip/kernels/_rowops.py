@@ -53,11 +53,15 @@ class ChunkIO:
             intr, dtype, chunk, n, vector, shifted, stream)
 
 
+def _gpu_only(intr, name):
+    """A GPU namespace's intrinsic ``name``; None on the CPU's, whose kernels never call it."""
+    return getattr(intr, name) if "gpu" in intr.features else None
+
+
 def _shifted_access(intr):
     """Whether scalar forms can take aligned accesses around unaligned spans: on a namespace
     with the intrinsics for them (not the CPU's)."""
-    return all(hasattr(intr, name) for name in ("align_offset", "load_b128", "store_b128",
-                                                "store_b64", "store_b32"))
+    return "gpu" in intr.features
 
 
 @shared
@@ -86,7 +90,7 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream=False):
     decode, encode, pack2 = codec(intr, dtype)
     half = pack2 is not None
     u32_as_f32, f32_as_u32 = intr.u32_as_f32, intr.f32_as_u32
-    load_b128, store_b128 = getattr(intr, "load_b128", None), getattr(intr, "store_b128", None)
+    load_b128, store_b128 = _gpu_only(intr, "load_b128"), _gpu_only(intr, "store_b128")
     if vector and stream:
         load_b128 = intr.load_b128_stream
 
@@ -136,9 +140,9 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream=False):
                 store_b128(ptr, start + col0, f32_as_u32(vals[slot]), f32_as_u32(vals[slot + 1]),
                            f32_as_u32(vals[slot + 2]), f32_as_u32(vals[slot + 3]))
     else:
-        align_offset = getattr(intr, "align_offset", None)
+        align_offset = _gpu_only(intr, "align_offset")
         shifted = shifted and _shifted_access(intr)
-        store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
+        store_b64, store_b32 = _gpu_only(intr, "store_b64"), _gpu_only(intr, "store_b32")
         per_word = 4 // itemsize        # elements in a 32-bit word
 
         @jitable
@@ -319,7 +323,7 @@ def reduce_buffer_shape(intr, bufs, rows, threads):
     compiler reads them 4 at a time (a 1024-thread row: 8 ld.shared.v4 a thread instead of 32
     ld.shared.f32, each of which holds the SM's shared-memory pipe a cycle per warp).  The same
     additions in the same order: the same bits.  H200, 4 at a time / one at a time, two runs each
-    (results/tune_h200_20261130_s12/*_vred.json; benchmarks/NOTES.md session 12): level at most
+    (results/tune_h200_20261130_s12/*_vred.json; docs/performance.md): level at most
     shapes, ahead at a few (backward 2048x8192 70.3-70.6 / 67.8-68.1% of copy, dresidual
     4096x4096 80.0-80.6 / 78.5-79.3, fused add 4096x4096 89.1-91.1 / 87.5-87.8)."""
     warps = ceil_div(threads, intr.warp)
@@ -407,7 +411,7 @@ def _make_row_reduce(intr, threads, warp_reduce, combine, row_barriers=False):
     warp = intr.warp
     lanes = min(threads, warp)
     warps_per_row = ceil_div(threads, warp)
-    gpu, row_barrier = intr.gpu, getattr(intr, "row_barrier", None)
+    gpu, row_barrier = intr.gpu, _gpu_only(intr, "row_barrier")
     fold = _make_fold(intr, warps_per_row, combine)
 
     @intr.jitable
@@ -447,8 +451,8 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=Tr
     encode = codec(intr, dtype)[1]
     signed = dtype == _dtypes.INT8
     fused = fma_levels and signed
-    store_b64, store_b32 = getattr(intr, "store_b64", None), getattr(intr, "store_b32", None)
-    align_offset = getattr(intr, "align_offset", None)
+    store_b64, store_b32 = _gpu_only(intr, "store_b64"), _gpu_only(intr, "store_b32")
+    align_offset = _gpu_only(intr, "align_offset")
     # the scalar form's whole chunks go out as aligned 8- / 4-byte pieces where the address allows
     # (_config.scalar_shifted), where byte by byte each warp's store wrote 32 bytes over 256
     shifted = shifted and _shifted_access(intr)

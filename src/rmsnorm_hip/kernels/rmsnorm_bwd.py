@@ -100,7 +100,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # cached vector layouts write their partial dweight rows to the workspace (float32,
     # allocated here: rows 16-byte aligned when n % 4 == 0) in 128-bit stores.  As scalar
     # stores they cost ~7 us of every call on the H200 (4096x4096 bf16: 37.4 -> 30.4 us; one row
-    # a program: 13.8 -> 6.1 us; benchmarks/NOTES.md).  The scalar (unaligned-row) variants store
+    # a program: 13.8 -> 6.1 us; docs/performance.md).  The scalar (unaligned-row) variants store
     # through ChunkIO's scalar form (aligned pieces where the address allows them, ``shifted``);
     # looped layouts keep their per-element read-modify-write: as 128-bit accesses the dresidual
     # forms spilled (ptxas 13.5)

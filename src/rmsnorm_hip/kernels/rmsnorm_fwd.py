@@ -87,7 +87,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     row_sum = make_row_sum(intr, threads)
     row_sum_max = make_row_sum_max(intr, threads)
     # int8 levels by one fma where a NaN-propagating max|t| tells which rows may take it
-    fma_levels = quant == _dtypes.INT8 and hasattr(intr, "max_abs_nan")
+    fma_levels = quant == _dtypes.INT8 and "max_abs_nan" in intr.features
     store_q = make_quant_store(intr, quant, chunk, n, spec.vector, fma_levels) if quant else None
     store_q_converted = (make_quant_store(intr, quant, chunk, n, spec.vector) if fma_levels
                          else store_q)
