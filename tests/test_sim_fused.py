@@ -218,3 +218,21 @@ def test_sim_fused_runner_gives_the_validated_bits(sim, rng, quant, offset):  # 
         else:
             assert_bitwise(a.view(np.uint8) if quant and name == "y / q" else a,
                            b.view(np.uint8) if quant and name == "y / q" else b, name)
+
+
+@pytest.mark.parametrize("weight,return_rstd", [(BFLOAT16, True), (None, False)])
+def test_sim_forward_runner_gives_the_validated_bits(sim, rng, weight, return_rstd):  # noqa: F811
+    """rms_norm's repeat-call runner (GpuBackend.fwd_runner) run by the simulator: the validated
+    call's bits, with and without a weight and rstd (N = 127: the scalar kernel)."""
+    be = sim()
+    m, n = 5, 127
+    x = random_array(rng, (m, n), BFLOAT16)
+    w = None if weight is None else random_array(rng, (n,), weight, loc=1.0, scale=0.1)
+    expected = rms_norm(x, w, 1e-6, return_rstd=return_rstd)
+    run = be.fwd_runner(HostIO(), (m, n), m, n, n, BFLOAT16, weight or "", return_rstd)
+    got = run(x, w, 1e-6, 0.0)
+    if return_rstd:
+        assert_bitwise(got[0], expected[0], "y")
+        assert_bitwise(got[1], expected[1], "rstd")
+    else:
+        assert_bitwise(got, expected, "y")

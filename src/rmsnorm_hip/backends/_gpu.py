@@ -1,11 +1,30 @@
-"""What every GPU backend (cuda, hip, sim) shares: choosing the kernel variant for a call and packing
-its launch.  Subclasses provide ``compile(builder, spec, argtypes)``, ``launch(kernel, grid, block,
-args, stream)``, ``arg(info, dtype)``, ``stream_for(info)`` and ``cache_key``."""
+"""What every GPU backend (cuda, hip, sim) shares: choosing the kernel variant for a call and
+packing its launch (one argument builder per kernel: fwd_args, fused_args, bwd_args).
+Subclasses provide ``compile(builder, spec, argtypes)``, ``launch(kernel, grid, block, args,
+stream)``, ``arg(info, dtype)``, ``stream_for(info)`` and ``cache_key``."""
 from .. import _arrays, _cache, _dtypes
 from ..kernels import _config, rmsnorm_bwd, rmsnorm_fwd
 
 _ALIGN = _config.CHUNK_BYTES
 _ALIGN_MASK = _ALIGN - 1
+
+
+def fwd_args(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
+    """rms_norm's kernel arguments (kernels/rmsnorm_fwd.argtypes), pointers or 0."""
+    return (x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset)
+
+
+def fused_args(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, strides, eps,
+               weight_offset):
+    """The fused forward's kernel arguments; ``strides``: row strides of (x, residual, y,
+    residual_out)."""
+    return (x, residual, weight, xscale, y, residual_out, rstd, yscale, m, *strides, eps,
+            weight_offset)
+
+
+def bwd_args(dy, x, weight, rstd, dresidual, dx, workspace, m, strides, eps, weight_offset):
+    """The backward's kernel arguments; ``strides``: row strides of (dy, x, dresidual, dx)."""
+    return (dy, x, weight, rstd, dresidual, dx, workspace, m, *strides, eps, weight_offset)
 
 
 class GpuBackend:
@@ -103,8 +122,8 @@ class GpuBackend:
                 key = vector_key if mask and not (x_ptr | w_ptr | y_ptr) & mask else scalar_key
                 shape_ = shapes.get(key) or shapes.setdefault(key, self._fwd_launch_shape(key, m))
                 launch(shape_[0], shape_[1], shape_[2],
-                       (x_ptr, w_ptr, y_ptr, 0 if rstd is None else ptr(rstd), m, x_stride, n,
-                        eps, weight_offset), stream())
+                       fwd_args(x_ptr, w_ptr, y_ptr, 0 if rstd is None else ptr(rstd), m,
+                                x_stride, n, eps, weight_offset), stream())
             return (y, rstd) if return_rstd else y
 
         return run
@@ -116,8 +135,9 @@ class GpuBackend:
         pointers = x.ptr | y.ptr | (weight.ptr if weight is not None else 0)
         key = vector_key if vector_key is not None and not pointers & _ALIGN_MASK else scalar_key
         kernel, grid, block = self._fwd_launch_shape(key, m)
-        args = (self.arg(x, x.dtype), self.arg(weight, _dtypes.FLOAT32), self.arg(y, y.dtype),
-                self.arg(rstd, _dtypes.FLOAT32), m, x_stride, y_stride, eps, weight_offset)
+        args = fwd_args(self.arg(x, x.dtype), self.arg(weight, _dtypes.FLOAT32),
+                        self.arg(y, y.dtype), self.arg(rstd, _dtypes.FLOAT32), m, x_stride,
+                        y_stride, eps, weight_offset)
         self.launch(kernel, grid, block, args, self.stream_for(x))
 
     # ---- fused residual add / quantised forward --------------------------------------------
@@ -141,10 +161,10 @@ class GpuBackend:
         key = vector_key if vector_key is not None and not pointers & _ALIGN_MASK else scalar_key
         kernel, grid, block = self._fwd_launch_shape(key, m)
         f32 = _dtypes.FLOAT32
-        args = (self.arg(x, x.dtype), self.arg(residual, x.dtype), self.arg(weight, f32),
-                self.arg(xscale, f32), self.arg(y, y.dtype), self.arg(residual_out, x.dtype),
-                self.arg(rstd, f32), self.arg(yscale, f32), m, x_stride, r_stride, y_stride,
-                ro_stride, eps, weight_offset)
+        args = fused_args(self.arg(x, x.dtype), self.arg(residual, x.dtype),
+                          self.arg(weight, f32), self.arg(xscale, f32), self.arg(y, y.dtype),
+                          self.arg(residual_out, x.dtype), self.arg(rstd, f32),
+                          self.arg(yscale, f32), m, strides, eps, weight_offset)
         self.launch(kernel, grid, block, args, self.stream_for(x))
 
     def fused_runner(self, io, shape, m, n, strides, dtype, weight_dtype, xscale_dtype,
@@ -198,9 +218,10 @@ class GpuBackend:
                        & mask else scalar_key)
                 shape_ = shapes.get(key) or shapes.setdefault(key, self._fwd_launch_shape(key, m))
                 launch(shape_[0], shape_[1], shape_[2],
-                       (x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, ro_ptr,
-                        0 if rstd is None else ptr(rstd), 0 if yscale is None else ptr(yscale),
-                        m, x_stride, r_stride, y_stride, ro_stride, eps, weight_offset), stream())
+                       fused_args(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, ro_ptr,
+                                  0 if rstd is None else ptr(rstd),
+                                  0 if yscale is None else ptr(yscale), m, strides, eps,
+                                  weight_offset), stream())
             return y, ro, rstd, yscale
 
         return run
@@ -268,7 +289,6 @@ class GpuBackend:
             return launches.setdefault(vector, shape_[:-1] + (alloc_dw, alloc_ws))
 
         ptr, stream, launch = io.ptr, io.stream, self.launch
-        dy_stride, x_stride, dres_stride, dx_stride = strides
 
         def run(dy, x, weight, rstd, dres, eps, weight_offset):
             dx = alloc_dx(x)
@@ -282,9 +302,8 @@ class GpuBackend:
             ws_ptr = 0 if dw is None else ptr(alloc_ws() if alloc_ws is not None else dw)
             s = stream()
             launch(kernel, grid, block,
-                   (dy_ptr, x_ptr, w_ptr, 0 if rstd is None else ptr(rstd), dres_ptr, dx_ptr,
-                    ws_ptr, m, dy_stride, x_stride, dres_stride, dx_stride, eps, weight_offset),
-                   s)
+                   bwd_args(dy_ptr, x_ptr, w_ptr, 0 if rstd is None else ptr(rstd), dres_ptr,
+                            dx_ptr, ws_ptr, m, strides, eps, weight_offset), s)
             if reduce is not None and dw is not None:
                 launch(reduce, reduce_grid, reduce_block, (ws_ptr, ptr(dw), ws_rows, n), s)
             return dx, dw
@@ -313,10 +332,9 @@ class GpuBackend:
         stream = self.stream_for(x)
         f32 = _dtypes.FLOAT32
         self.launch(kernel, grid, block,
-                    (self.arg(dy, x.dtype), self.arg(x, x.dtype), self.arg(weight, f32),
-                     self.arg(rstd, f32), self.arg(dres, x.dtype), self.arg(dx, x.dtype),
-                     self.arg(ws, f32), m, strides[0], strides[1], strides[2], strides[3], eps,
-                     weight_offset), stream)
+                    bwd_args(self.arg(dy, x.dtype), self.arg(x, x.dtype), self.arg(weight, f32),
+                             self.arg(rstd, f32), self.arg(dres, x.dtype), self.arg(dx, x.dtype),
+                             self.arg(ws, f32), m, strides, eps, weight_offset), stream)
         if weight is not None and reduce is not None:
             self.launch(reduce, reduce_grid, reduce_block,
                         (self.arg(ws, f32), self.arg(dweight, wdtype), ws_rows, n), stream)
