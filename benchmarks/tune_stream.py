@@ -73,31 +73,6 @@ def _patch(config, variant):
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
 
 
-def _graph_us(torch, fn, calls=50, replays=20):
-    """Median us per call of ``calls`` calls captured in one CUDA graph, over ``replays``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -180,7 +155,7 @@ def main():
             row = dict(op=op, m=m, n=n, dtype=str(dtype)[6:], variant=variant, us=t["us"],
                        GBps=nbytes / t["us"] / 1e3, bitwise_equal_to_first=same)
             if args.graph:
-                row["graph_us"] = _graph_us(torch, fn)
+                row["graph_us"] = timing.cuda_graph_time(fn, replays=20)["graph_us"]
             row["pct_copy"] = 100 * row["GBps"] / copy
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -200,21 +200,11 @@ def _spin_up(torch):
 
 
 def _check_case(spec, target, impls, case, seed):
-    """({impl: record}, names of the implementations that passed the check) for one case: every
-    implementation against the float64 reference, on fresh copies where the op writes its
-    inputs.  The records hold every figure as None until measured."""
-    M, N, dtype = case
-    args = spec.make_inputs(target, M, N, dtype, seed)
-    reference = spec.reference(target, *args)
-    nbytes = spec.bytes_moved(M, N, target.itemsize(dtype))
-    records = {}
-    for name, impl in impls.items():
-        record = {"op": spec.name, "M": M, "N": N, "dtype": dtype, "impl": name, "bytes": nbytes}
-        record.update(runner._check(spec, target, impl, spec.fresh_inputs(args), reference,
-                                    dtype))
+    """({impl: record}, names of the implementations that passed the check) for one case
+    (runner.checked_records); the records hold every figure as None until measured."""
+    _, records = runner.checked_records(spec, target, impls, case, seed)
+    for record in records.values():
         record.update(dict.fromkeys(FIGURES))
-        records[name] = record
-    del args, reference
     return records, [name for name, record in records.items() if record["ok"]]
 
 

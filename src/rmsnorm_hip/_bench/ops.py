@@ -16,7 +16,7 @@ An op with several outputs returns a tuple from its implementations and its refe
 the largest over the outputs.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from . import peers
@@ -159,6 +159,23 @@ def _quant_op(name, quant_dtype):
     )
 
 
+_FUSED = Op(
+    name="fused",
+    summary="(y, residual_out) = fused_add_rms_norm(x, residual, weight, eps)",
+    bytes_formula="4*M*N*e + N*e (read x, residual, weight; write y, residual_out)",
+    bytes_moved=lambda M, N, e: 4 * M * N * e + N * e,
+    make_inputs=_fused_inputs,
+    reference=_fused_reference,
+    ours={"cuda": {"ours": peers.ours_fused_add_rms_norm},
+          "cpu": {"ours": peers.ours_fused_add_rms_norm}},
+    peers={"cuda": {"torch": peers.torch_fused_add_rms_norm,
+                    "torch_compile": peers.torch_compile_fused_add_rms_norm,
+                    "liger": peers.liger_fused_add_rms_norm,
+                    "quack": peers.quack_fused_add_rms_norm},
+           "cpu": {"numpy": peers.numpy_fused_add_rms_norm,
+                   "torch": peers.on_host(peers.torch_fused_add_rms_norm)}},
+)
+
 OPS = {
     "fwd": Op(
         name="fwd",
@@ -214,41 +231,18 @@ OPS = {
                "cpu": {"numpy": peers.numpy_rms_norm_backward,
                        "torch": peers.on_host(peers.torch_eager_rms_norm_backward_dres)}},
     ),
-    "fused": Op(
-        name="fused",
-        summary="(y, residual_out) = fused_add_rms_norm(x, residual, weight, eps)",
-        bytes_formula="4*M*N*e + N*e (read x, residual, weight; write y, residual_out)",
-        bytes_moved=lambda M, N, e: 4 * M * N * e + N * e,
-        make_inputs=_fused_inputs,
-        reference=_fused_reference,
-        ours={"cuda": {"ours": peers.ours_fused_add_rms_norm},
-              "cpu": {"ours": peers.ours_fused_add_rms_norm}},
-        peers={"cuda": {"torch": peers.torch_fused_add_rms_norm,
-                        "torch_compile": peers.torch_compile_fused_add_rms_norm,
-                        "liger": peers.liger_fused_add_rms_norm,
-                        "quack": peers.quack_fused_add_rms_norm},
-               "cpu": {"numpy": peers.numpy_fused_add_rms_norm,
-                       "torch": peers.on_host(peers.torch_fused_add_rms_norm)}},
-    ),
+    "fused": _FUSED,
     # vLLM's in-place contract (x <- y, residual <- residual_out). No peer has an in-place form:
     # the peers are the out-of-place "fused" ones, timed again in these cases, so that the table
     # says what the in-place call saves over the calls a model would otherwise make.
-    "fused_inplace": Op(
+    "fused_inplace": replace(
+        _FUSED,
         name="fused_inplace",
         summary="fused_add_rms_norm_(x, residual, weight, eps): residual <- x + residual, "
                 "x <- rms_norm(residual), in place; peers: the out-of-place fused_add_rms_norm",
         bytes_formula="4*M*N*e + N*e (read x, residual, weight; write x, residual)",
-        bytes_moved=lambda M, N, e: 4 * M * N * e + N * e,
-        make_inputs=_fused_inputs,
-        reference=_fused_reference,
         ours={"cuda": {"ours": peers.ours_fused_add_rms_norm_inplace},
               "cpu": {"ours": peers.ours_fused_add_rms_norm_inplace}},
-        peers={"cuda": {"torch": peers.torch_fused_add_rms_norm,
-                        "torch_compile": peers.torch_compile_fused_add_rms_norm,
-                        "liger": peers.liger_fused_add_rms_norm,
-                        "quack": peers.quack_fused_add_rms_norm},
-               "cpu": {"numpy": peers.numpy_fused_add_rms_norm,
-                       "torch": peers.on_host(peers.torch_fused_add_rms_norm)}},
         in_place=True,
     ),
     "quant": _quant_op("quant", "int8"),

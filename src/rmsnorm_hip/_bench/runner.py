@@ -161,6 +161,24 @@ def _run_case(spec, target, impls, case, seed, is_host_case, copy_gbps):
     """One record per implementation for one (M, N, dtype), all on the same inputs: every
     implementation is checked first, then those that passed are timed (after a warm-up pass on
     targets that take one, ``_warm_up``)."""
+    args, records = checked_records(spec, target, impls, case, seed)
+    passed = {name: impls[name] for name, record in records.items() if record["ok"]}
+    if target.warm_up_pass and not is_host_case:
+        _warm_up(target, passed, args)
+    for name, impl in passed.items():
+        record = records[name]
+        record.update(_time(target, impl, args, is_host_case))
+        if record["ok"] and not is_host_case:
+            record["gbps"] = record["bytes"] / record["us"] / 1e3  # bytes per us -> GB/s
+            record["pct_copy"] = 100 * record["gbps"] / copy_gbps
+    del args
+    target.free_memory()
+    return list(records.values())
+
+
+def checked_records(spec, target, impls, case, seed):
+    """(the case's inputs, {impl: record}): every implementation checked against the float64
+    reference on the same inputs (fresh copies where the op writes its inputs)."""
     M, N, dtype = case
     args = spec.make_inputs(target, M, N, dtype, seed)
     reference = spec.reference(target, *args)
@@ -170,18 +188,7 @@ def _run_case(spec, target, impls, case, seed, is_host_case, copy_gbps):
         record = {"op": spec.name, "M": M, "N": N, "dtype": dtype, "impl": name, "bytes": nbytes}
         record.update(_check(spec, target, impl, spec.fresh_inputs(args), reference, dtype))
         records[name] = record
-    passed = {name: impls[name] for name, record in records.items() if record["ok"]}
-    if target.warm_up_pass and not is_host_case:
-        _warm_up(target, passed, args)
-    for name, impl in passed.items():
-        record = records[name]
-        record.update(_time(target, impl, args, is_host_case))
-        if record["ok"] and not is_host_case:
-            record["gbps"] = nbytes / record["us"] / 1e3  # bytes per us -> GB/s
-            record["pct_copy"] = 100 * record["gbps"] / copy_gbps
-    del args, reference
-    target.free_memory()
-    return list(records.values())
+    return args, records
 
 
 def _warm_up(target, impls, args):
