@@ -114,7 +114,7 @@ def inputs(m, n, seed=0):
     return x, w, dy
 
 
-# ---- measurements ----------------------------------------------------------------------------------
+# ---- measurements --------------------------------------------------------------------------------
 
 def check(forward, m=32, n=N_HOST):
     """Relative errors of y, dx, dweight against float64 autograd on the same bf16 inputs."""
@@ -175,7 +175,7 @@ def sleep(cycles):
         fn(cycles)
 
 
-# ---- driver -----------------------------------------------------------------------------------------
+# ---- driver --------------------------------------------------------------------------------------
 
 def versions():
     import importlib.metadata as md

@@ -1,8 +1,9 @@
 """Backward tuning sweep on a GPU: device time per call of rms_norm_backward (CUPTI, 256 MB write
 flush before each call, a discarded warm-up timing first, as the benchmark measures it) under
 candidate settings of kernels/_config.py, patched here; a setting may be repeated with a digit
-suffix (``hold_w,load_w,hold_w2``; ``_r2`` after a name ending in a digit) to see the run-to-run spread.  Prints one JSON line
-per (shape, setting) and writes them to --out (default $OUT or .)/tune_bwd.json.
+suffix (``hold_w,load_w,hold_w2``; ``_r2`` after a name ending in a digit) to see the run-to-run
+spread.  Prints one JSON line per (shape, setting) and writes them to --out (default $OUT or
+.)/tune_bwd.json.
 
     PYTHONPATH=src python3 benchmarks/tune_bwd.py [--settings hold_w,load_w] [--dres]
         [--shapes 4096x4096,...] [--flush write|read] [--no-weight] [--tag _suffix]
@@ -96,7 +97,8 @@ SETTINGS = {
     # x, dy and dresidual loaded evict-first (ld.global.cs) at every M, or at none (an earlier run
     # also tried an L2 evict-first policy and hinted dx stores, knobs since removed)
     "stream_off": {"BWD_STREAM_MAX_BYTES": 0},
-    "stream_cs": {"BWD_STREAM_LOADS": {"cuda": True, "hip": False}, "BWD_STREAM_MAX_BYTES": 1 << 60},
+    "stream_cs": {"BWD_STREAM_LOADS": {"cuda": True, "hip": False},
+                  "BWD_STREAM_MAX_BYTES": 1 << 60},
     # dweight by float32 atomics into one zeroed row, called with deterministic=False, or the
     # deterministic partial rows and reduction (``_deterministic``: the call's argument)
     "det": {"_deterministic": True},

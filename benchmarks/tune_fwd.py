@@ -72,8 +72,12 @@ def main():
         cells = []
         for f, _ in FORMS:
             for c in CHUNKS:
-                r = [r for r in rows if (r["m"], r["n"], r["dtype"], r["form"], r["chunks"]) == (m, n, dt, f, c)]
-                cells.append(f"{r[0]['GBps']:>8.0f}" + (f"({100 * r[0]['GBps'] / copy_gbps:3.0f})" if r and copy_gbps else "     ") if r else f"{'-':>14s}")
+                r = [r for r in rows
+                     if (r["m"], r["n"], r["dtype"], r["form"], r["chunks"]) == (m, n, dt, f, c)]
+                cells.append(f"{r[0]['GBps']:>8.0f}"
+                             + (f"({100 * r[0]['GBps'] / copy_gbps:3.0f})"
+                                if r and copy_gbps else "     ")
+                             if r else f"{'-':>14s}")
         print(f"{m}x{n} {dt[6:]:9s} " + " ".join(f"{c:>14s}" for c in cells))
 
 

@@ -155,7 +155,8 @@ def assert_quant_close(q, yscale, q_ref, yscale_ref, quant_dtype):
     everywhere, and equal to it for more than 99.9% (QUANT_EQUAL_PER_MILLE) of the elements
     whose rounding is decided.  A quotient within QUANT_TIE relative of a midpoint between two
     levels may round either way (float32 against float64 arithmetic; bf16 data makes exact ties
-    common), so those are left out of the count.  yscale within TOLERANCES[float32] of its reference."""
+    common), so those are left out of the count.  yscale within TOLERANCES[float32] of its
+    reference."""
     from rmsnorm_hip.reference import quantize_ref
     q_ref = np.asarray(q_ref, np.float64)
     got, ref = quant_levels(q, quant_dtype), quant_levels(quantize_ref(q_ref, quant_dtype),

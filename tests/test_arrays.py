@@ -132,8 +132,8 @@ def test_overlap_rule_is_the_byte_sets(rng):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_interleaved_outputs_are_not_overlaps(rng, backend, dtype):
-    """Column slices of one wider matrix are separate arrays (docs/api.md: only overlap with an input
-    is an error): y written beside x, and the in-place fused add over x and residual side by
+    """Column slices of one wider matrix are separate arrays (docs/api.md: only overlap with an
+    input is an error): y written beside x, and the in-place fused add over x and residual side by
     side, give bitwise the results of contiguous arrays; a slice one column over is refused.
     On the simulator too, whose launches once copied each array's span in and back out (the
     residual's copy-back then overwrote the x written beside it)."""

@@ -115,8 +115,8 @@ def _ran(be):
 # The looped layout is reached by lowering the register budget, so that a simulated block stays
 # small (the real threshold needs rows of more than 16384 elements: 1024-thread blocks).
 SIM_CASES = [(5, 127, "bfloat16", "bfloat16", False), (9, 128, "bfloat16", "bfloat16", False),
-             (3, 1000, FLOAT32, FLOAT32, False), (3, 1024, "float16", FLOAT32, False), (3, 1000, "bfloat16", FLOAT32, True),
-             (3, 999, FLOAT32, FLOAT32, True)]
+             (3, 1000, FLOAT32, FLOAT32, False), (3, 1024, "float16", FLOAT32, False),
+             (3, 1000, "bfloat16", FLOAT32, True), (3, 999, FLOAT32, FLOAT32, True)]
 
 
 @pytest.mark.sim
@@ -156,7 +156,8 @@ def test_deterministic_dweight(rng, use_backend, backend_name):
 
 
 BAD = [
-    (lambda x, w, r: dict(dy=x[:, :-1], x=x), ValueError, r"rms_norm_backward: dy must have x's shape"),
+    (lambda x, w, r: dict(dy=x[:, :-1], x=x), ValueError,
+     r"rms_norm_backward: dy must have x's shape"),
     (lambda x, w, r: dict(dy=x.astype(np.float16), x=x), TypeError,
      r"rms_norm_backward: dy must have x's dtype float32, got float16"),
     (lambda x, w, r: dict(dy=x, x=x, rstd=r[:-1]), ValueError,
@@ -669,3 +670,42 @@ def test_atomic_dweight_where_measured():
                 or takes(4096, 4096) or takes(32, 8192))
     assert not (takes(8, 4096, weight=BFLOAT16) or takes(32768, 4096, weight=BFLOAT16))
     assert not (takes(8, 4096, vendor="hip") or takes(8, 4096, vector=False))
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("n,dtype,wdtype,aligned,given_rstd,dres",
+                         [(1000, BFLOAT16, BFLOAT16, True, True, False),
+                          (1000, BFLOAT16, FLOAT32, False, False, True)], ids=str)
+def test_sim_direct_dweight(rng, use_backend, monkeypatch, n, dtype, wdtype, aligned, given_rstd,
+                            dres):
+    """One row (M = 1): the backward kernel writes dweight itself and no reduction kernel runs
+    (_config.bwd_direct_dweight; a 16-bit weight's encoded in the kernel, BwdSpec.direct_dweight),
+    on aligned and unaligned rows; dx and dweight bitwise the workspace path's, against float64,
+    every output written (poisoned); deterministic=False takes it too, not atomics."""
+    be = use_backend("sim")
+    _nan_outputs(monkeypatch)
+    skip = 0 if aligned else 1        # one element in: rows off 16-byte alignment (scalar kernel)
+    x, dy, dr = (random_array(rng, (1, n + skip), dtype)[:, skip:] for _ in range(3))
+    dr = dr if dres else None
+    w = random_array(rng, (n,), wdtype, loc=1.0, scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True)[1]
+    given = rstd if given_rstd else None
+    functional.forget_plans()
+    dx, dw = rms_norm_backward(dy, x, w, given, dresidual=dr)
+    spec, plan = _ran(be), next(iter(be._bwd_plans.values()))
+    assert plan[2] is None and spec.vector == aligned
+    assert spec.direct_dweight == (wdtype != FLOAT32)
+    ref_dx, ref_dw = rms_norm_backward_ref(dy, x, w, given, dresidual=dr)
+    assert_dx(dx, dy, x, w, rstd, ref_dx, dtype, 0.0)
+    assert_dweight(dw, ref_dw, wdtype)
+    functional.forget_plans()
+    ndx, ndw = rms_norm_backward(dy, x, w, given, dresidual=dr, deterministic=False)
+    assert not _ran(be).atomic_dweight and next(iter(be._bwd_plans.values()))[2] is None
+    assert_bitwise(ndw, dw, "dweight, deterministic=False")
+    # the workspace and the reduction kernel: the same bits
+    monkeypatch.setattr(_config, "bwd_direct_dweight", lambda spec, m: False)
+    functional.forget_plans()
+    wdx, wdw = rms_norm_backward(dy, x, w, given, dresidual=dr)
+    assert next(iter(be._bwd_plans.values()))[2] is not None
+    assert_bitwise(wdx, dx, "dx, direct vs workspace")
+    assert_bitwise(wdw, dw, "dweight, direct vs workspace")

@@ -1,5 +1,5 @@
-"""The GPU tier (mark ``device``): the forward on a real NVIDIA GPU through torch, CuPy, numba device
-arrays and plain DLPack objects.  Run with the simulator off:
+"""The GPU tier (mark ``device``): the forward on a real NVIDIA GPU through torch, CuPy, numba
+device arrays and plain DLPack objects.  Run with the simulator off:
 
     NUMBA_ENABLE_CUDASIM=0 python -m pytest -m device tests/test_device.py
 

@@ -231,7 +231,8 @@ def test_backward_cupy_bfloat16_as_uint16():
 
 
 # deterministic=False: atomics at few rows / many rows a program (_config.bwd_atomic_dweight),
-# partial rows and the reduction at 264 x 4096 (H200); a float32 weight
+# partial rows and the reduction at 264 x 4096 (H200), dweight from the kernel at one row
+# (_config.bwd_direct_dweight); a float32 weight
 @pytest.mark.parametrize("m,n", [(1, 8192), (8, 4096), (264, 4096), (8192, 4096)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("given_rstd,dres", [(True, False), (False, True)],
@@ -251,16 +252,42 @@ def test_nondeterministic_dweight(poisoned, m, n, dtype, given_rstd, dres):
     be = backends.get("cuda")
     be.forget_plans()
     ndx, ndw = rmsnorm_hip.rms_norm_backward(dy, x, w, r, dresidual=dr, deterministic=False)
-    (spec, *_), = be._bwd_plans.values()
-    expected = _config.bwd_atomic_dweight(
-        _config.bwd_spec(n, dtype, "float32", True, not given_rstd, dres, "cuda",
-                         _config.bwd_pair_rows(m, be.sm_count),
-                         _config.bwd_stream_rows(m, n, dtype)),
-        m, _config.bwd_programs(spec, m, be.sm_count), "cuda")
-    assert spec.atomic_dweight == expected
+    (spec, _, reduce, _), = be._bwd_plans.values()
+    deterministic_spec = _config.bwd_spec(n, dtype, "float32", True, not given_rstd, dres, "cuda",
+                                          _config.bwd_pair_rows(m, be.sm_count),
+                                          _config.bwd_stream_rows(m, n, dtype))
+    direct = _config.bwd_direct_dweight(deterministic_spec, m)
+    expected = not direct and _config.bwd_atomic_dweight(
+        deterministic_spec, m, _config.bwd_programs(spec, m, be.sm_count), "cuda")
+    assert spec.atomic_dweight == expected and direct == (m == 1)
+    assert (reduce is None) == (expected or direct)
     assert torch.equal(raw(ndx), raw(dx))
     ref_dw = reference.rms_norm_backward_ref(host(dy), host(x), host(w), rstd.cpu().numpy(),
                                              dresidual=None if dr is None else host(dr))[1]
     assert ndw.dtype == torch.float32 and ndw.shape == (n,)
     assert_dweight(host(ndw), ref_dw, "float32")
     assert_dweight(host(dw), ref_dw, "float32")
+
+
+@pytest.mark.parametrize("n", [2048, 4096, 8192])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_direct_dweight_bits(poisoned, monkeypatch, n, dtype):
+    """One row: the kernel writes a 16-bit dweight itself (no reduction kernel); dx and dweight
+    bitwise the workspace path's (the partial row and dweight_reduce), against float64."""
+    from rmsnorm_hip import backends
+    from rmsnorm_hip.kernels import _config
+    _, x, w = inputs(1, n, dtype, dtype)
+    dy = torch.randn_like(x)
+    be = backends.get("cuda")
+    be.forget_plans()
+    dx, dw = rmsnorm_hip.rms_norm_backward(dy, x, w)
+    (spec, _, reduce, _), = be._bwd_plans.values()
+    assert spec.direct_dweight and reduce is None
+    monkeypatch.setattr(_config, "bwd_direct_dweight", lambda spec, m: False)
+    be.forget_plans()
+    wdx, wdw = rmsnorm_hip.rms_norm_backward(dy, x, w)
+    (spec, _, reduce, _), = be._bwd_plans.values()
+    assert not spec.direct_dweight and reduce is not None
+    assert torch.equal(raw(wdx), raw(dx)) and torch.equal(raw(wdw), raw(dw))
+    ref_dw = reference.rms_norm_backward_ref(host(dy), host(x), host(w), None)[1]
+    assert_dweight(host(dw), ref_dw, dtype)

@@ -1,6 +1,6 @@
-"""The entry points' argument errors (docs/api.md): the exception type, a message naming the function,
-the argument, what was expected and what was given, raised before anything is launched, and
-nothing written — inputs and out= keep their bits.
+"""The entry points' argument errors (docs/api.md): the exception type, a message naming the
+function, the argument, what was expected and what was given, raised before anything is launched,
+and nothing written — inputs and out= keep their bits.
 
 One table of bad calls over the five entry points.  Arrays "on a GPU" are stand-ins that carry a
 ``__cuda_array_interface__`` with a pointer nothing ever reads (tests/test_errors.FakeDevice): the

@@ -119,8 +119,8 @@ def test_nan_and_inf_stay_in_their_row(use_backend, rng, op, dtype, backend_name
 
 # ---- huge values -------------------------------------------------------------------------------
 OVERFLOW = ("a row's float32 sum of squares overflows for |x| > ~1.8e19 (x**2 > 3.4e38): rstd "
-            "comes out 0 and the row normalises to 0 (quant: q = 0, yscale = 1); docs/api.md asks for "
-            "no overflow — needs a scaled sum of squares in the kernels")
+            "comes out 0 and the row normalises to 0 (quant: q = 0, yscale = 1); docs/api.md asks "
+            "for no overflow — needs a scaled sum of squares in the kernels")
 DOT_OVERFLOW = ("the backward's float32 sum(x * dy * w) overflows for a bf16 row of 1e38: dx is "
                 "NaN even with rstd given")
 # (dtype, magnitude of the row's largest values, the float32 sum of squares overflows)

@@ -319,8 +319,8 @@ def test_rne_magic_low_byte_is_the_int8_level():
 def test_sim_non_finite_t_takes_the_converting_levels(rng, use_backend, where, bad):
     """The GPU kernel rounds int8 levels with one fma only when every t = h w xscale of the row
     is finite, which its max|t| (NaN winning) says; a NaN / Inf weight or xscale puts one in
-    every row, so every yscale is non-finite (docs/api.md leaves those rows' q and yscale unspecified)
-    and the levels come from the converting form, not from the fma's bytes."""
+    every row, so every yscale is non-finite (docs/api.md leaves those rows' q and yscale
+    unspecified) and the levels come from the converting form, not from the fma's bytes."""
     use_backend("sim")
     x, w, kwargs = make_call(rng, (3, 256), "bfloat16", "float32", "xscale_f32")
     x = aligned_copy(x)

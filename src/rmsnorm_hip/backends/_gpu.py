@@ -230,14 +230,15 @@ class GpuBackend:
     def _bwd_plan(self, key):
         """(spec, kernel, dweight reduction kernel or None, its spec) of a backward call shape
         (_bwd_key), built once: a repeat call only looks it up."""
-        spec = _config.bwd_spec(*key[:-3], vendor=self.vendor, pair=key[-3], stream=key[-2],
-                                atomic=key[-1])
+        pair, stream, sink = key[-3:]
+        spec = _config.bwd_spec(*key[:-3], vendor=self.vendor, pair=pair, stream=stream,
+                                atomic=sink == "atomic", direct=sink == "direct")
         kernel_spec = _config.bwd_kernel_spec(spec)
         kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, kernel_spec,
                              rmsnorm_bwd.argtypes(kernel_spec))
         reduce = None
         reduce_spec = _config.reduce_spec(spec.weight, spec.pair_twin)
-        if spec.weight and not spec.atomic_dweight:    # atomics need no second kernel
+        if spec.weight and sink == "workspace":     # atomics and direct need no second kernel
             reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, reduce_spec,
                                  rmsnorm_bwd.reduce_argtypes(reduce_spec))
         plan = self._bwd_plans[key] = (spec, kernel, reduce, reduce_spec)
@@ -246,28 +247,35 @@ class GpuBackend:
     def _bwd_key(self, key, m, deterministic=True):
         """The plan key of a backward call of ``m`` rows: ``key`` (n, dtype, weight dtype,
         vector, recompute rstd, dresidual), whether its rows pair (_config.bwd_pair_rows),
-        whether it asks for evict-first row loads (_config.bwd_stream_rows) and whether it sums
-        dweight by atomics (not ``deterministic``, where _config.bwd_atomic_dweight says)."""
+        whether it asks for evict-first row loads (_config.bwd_stream_rows), and where its
+        dweight goes: "workspace" (partial rows and the reduction kernel), "direct" (the kernel
+        writes it: _config.bwd_direct_dweight) or "atomic" (summed by atomics, not
+        ``deterministic``, where _config.bwd_atomic_dweight says)."""
         pair = _config.bwd_pair_rows(m, self.sm_count, self.vendor)
         stream = _config.bwd_stream_rows(m, key[0], key[1], self.vendor)
-        atomic = False
-        if not deterministic:
+        sink = "workspace"
+        if m == 1 or not deterministic:
             spec = _config.bwd_spec(*key, vendor=self.vendor, pair=pair, stream=stream)
-            atomic = _config.bwd_atomic_dweight(
-                spec, m, _config.bwd_programs(spec, m, self.sm_count, self.vendor), self.vendor)
-        return key + (pair, stream, atomic)
+            if _config.bwd_direct_dweight(spec, m):
+                sink = "direct"
+            elif not deterministic and _config.bwd_atomic_dweight(
+                    spec, m, _config.bwd_programs(spec, m, self.sm_count, self.vendor),
+                    self.vendor):
+                sink = "atomic"
+        return key + (pair, stream, sink)
 
     def _bwd_launch_shape(self, key, m, deterministic=True):
         """(kernel, grid, block, dweight reduction kernel or None, its grid, its block,
-        workspace rows, whether dweight is summed by atomics (then into dweight itself, zeroed,
-        with no workspace or reduction)) of a backward call of ``m`` rows."""
+        workspace rows, where dweight goes (_bwd_key: "atomic" sums into dweight itself,
+        zeroed; "atomic" and "direct" take dweight for the workspace and run no reduction)) of
+        a backward call of ``m`` rows."""
         key = self._bwd_key(key, m, deterministic)
         spec, kernel, reduce, reduce_spec = self._bwd_plans.get(key) or self._bwd_plan(key)
         programs = _config.bwd_programs(spec, m, self.sm_count, self.vendor)
         columns, groups = reduce_spec.columns, reduce_spec.groups
         return (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1), reduce,
                 ((spec.layout.n + columns - 1) // columns, 1, 1), (columns, groups, 1),
-                _config.bwd_ws_rows(spec, programs), spec.atomic_dweight)
+                _config.bwd_ws_rows(spec, programs), key[-1])
 
     def bwd_runner(self, io, shape, m, n, strides, dtype, weight_dtype, has_rstd, has_dres,
                    deterministic=True):
@@ -281,11 +289,12 @@ class GpuBackend:
         def launch_plan(vector):
             shape_ = self._bwd_launch_shape(
                 (n, dtype, weight_dtype, vector, not has_rstd, has_dres), m, deterministic)
-            atomic = shape_[-1]
-            # atomics add into a zeroed dweight, and need no workspace
-            alloc_dw = ((io.zeros_allocator if atomic else io.allocator)((n,), weight_dtype)
-                        if weight_dtype else None)
-            alloc_ws = None if atomic else io.allocator((shape_[-2], n), _dtypes.FLOAT32)
+            sink = shape_[-1]
+            # atomics add into a zeroed dweight; they and a direct dweight need no workspace
+            alloc_dw = ((io.zeros_allocator if sink == "atomic" else io.allocator)(
+                (n,), weight_dtype) if weight_dtype else None)
+            alloc_ws = (None if sink != "workspace"
+                        else io.allocator((shape_[-2], n), _dtypes.FLOAT32))
             return launches.setdefault(vector, shape_[:-1] + (alloc_dw, alloc_ws))
 
         ptr, stream, launch = io.ptr, io.stream, self.launch
@@ -322,12 +331,12 @@ class GpuBackend:
         vector = self._rows_aligned(n, x.dtype, strides) and not pointers & _ALIGN_MASK
         wdtype = weight.dtype if weight is not None else ""
         (kernel, grid, block, reduce, reduce_grid, reduce_block,
-         ws_rows, atomic) = self._bwd_launch_shape(
+         ws_rows, sink) = self._bwd_launch_shape(
             (n, x.dtype, wdtype, vector, rstd is None, dres is not None), m, deterministic)
         ws = None
         if weight is not None:
-            ws = dweight if atomic else workspace((ws_rows, n))
-            if atomic:
+            ws = workspace((ws_rows, n)) if sink == "workspace" else dweight
+            if sink == "atomic":
                 zero_fill(dweight)
         stream = self.stream_for(x)
         f32 = _dtypes.FLOAT32

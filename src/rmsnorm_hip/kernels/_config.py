@@ -308,17 +308,21 @@ class BwdSpec:
     # zeroed dweight, with no reduction kernel (deterministic=False; cached rows;
     # bwd_atomic_dweight)
     atomic_dweight: bool = False
+    # a 16-bit weight's dweight encoded by the kernel from its one partial row, where the call's
+    # grid is one program of one row (bwd_direct_dweight), with no reduction kernel
+    direct_dweight: bool = False
     # rows whose rstd is known before their reduction (prefetch_rstd), unpaired: the dweight
     # partial accumulated in pass 1 and stored with the last row's pass 1 (BWD_EARLY_DWEIGHT)
     early_dweight: bool = False
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True,
-             stream=False, atomic=False):
+             stream=False, atomic=False, direct=False):
     """The backward kernel of a call shape; ``pair``: rows of the layouts that pair do
     (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call); ``stream``: 16-bit packed vector rows
     load evict-first where the vendor does (BWD_STREAM_LOADS; bwd_stream_rows decides it per
-    call; other rows ignore it)."""
+    call; other rows ignore it); ``direct``: the call's grid is one program of one row
+    (bwd_direct_dweight), whose 16-bit dweight the kernel encodes itself."""
     layout = bwd_row_layout(n, dtype, vendor)
     itemsize = _dtypes.ITEMSIZE[dtype]
     # 16-bit rows of 2 chunks a thread keep their words in the scalar (unaligned) form too: as
@@ -358,10 +362,23 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
                    hold_weight=hold_weight, paired=paired, pair_twin=pairable and not packed,
                    stream_loads=bool(stream and packed and vector and itemsize == 2
                                      and BWD_STREAM_LOADS[vendor]),
-                   atomic_dweight=bool(atomic and weight == _dtypes.FLOAT32 and layout.cached
-                                       and vector),
+                   atomic_dweight=bool(atomic and not direct and weight == _dtypes.FLOAT32
+                                       and layout.cached and vector),
+                   direct_dweight=bool(direct and weight in _dtypes.HALF_DTYPES and layout.cached
+                                       and rows == 1 and not paired),
                    early_dweight=bool(prefetch_rstd and weight and not paired and budget > 1
                                       and BWD_EARLY_DWEIGHT[vendor]))
+
+
+def bwd_direct_dweight(spec, m):
+    """Whether a backward call of ``m`` rows writes dweight from its kernel: a grid of one
+    program of one row (M = 1 where a block holds one row) has one partial row, and the
+    reduction of one row is that row, so dweight is the partial (a float32 weight's, stored to
+    dweight in place of the workspace) or its encoding (a 16-bit weight's:
+    BwdSpec.direct_dweight), the same bits without the reduction kernel.  Cached rows, whose
+    partial stays in registers."""
+    return bool(m == 1 and spec.weight and spec.layout.cached and spec.rows == 1
+                and not spec.paired and not spec.pair_twin)
 
 
 def bwd_atomic_dweight(spec, m, programs, vendor="cuda"):

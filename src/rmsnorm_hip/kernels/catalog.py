@@ -36,7 +36,8 @@ class Variant:
         if self.op == "bwd":
             flags = (f"recompute={int(s.recompute_rstd)}:dres={int(s.dresidual)}"
                      + (":stream_loads" if s.stream_loads else "")
-                     + (":atomic" if s.atomic_dweight else ""))
+                     + (":atomic" if s.atomic_dweight else "")
+                     + (":direct" if s.direct_dweight else ""))
         else:
             flags = f"rstd={int(s.store_rstd)}"
             if getattr(s, "fused", False):
@@ -130,7 +131,8 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
                             # load evict-first (bwd_stream_rows), deterministic=False calls may
                             # sum a float32 weight's dweight by atomics (bwd_atomic_dweight):
                             # every kernel of the eight (a pair twin launches the unpaired
-                            # scalar kernel: bwd_kernel_spec)
+                            # scalar kernel: bwd_kernel_spec); and calls of one row write
+                            # dweight from the kernel (bwd_direct_dweight)
                             atomics = ((False, True) if _config.BWD_ATOMIC_DWEIGHT[vendor]
                                        else (False,))
                             specs = {_config.bwd_kernel_spec(_config.bwd_spec(
@@ -138,8 +140,12 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
                                          stream, atomic))
                                      for pair in (True, False) for stream in (True, False)
                                      for atomic in atomics}
+                            specs.add(_config.bwd_spec(
+                                n, dtype, weight, vector, recompute, dres, vendor, pair=False,
+                                stream=_config.bwd_stream_rows(1, n, dtype, vendor), direct=True))
                             for spec in sorted(specs, key=lambda s: (s.paired, s.stream_loads,
-                                                                     s.atomic_dweight)):
+                                                                     s.atomic_dweight,
+                                                                     s.direct_dweight)):
                                 yield Variant("bwd", rmsnorm_bwd.make_rmsnorm_bwd, spec,
                                               rmsnorm_bwd.argtypes(spec))
     for weight in _dtypes.ACTIVATION_DTYPES:

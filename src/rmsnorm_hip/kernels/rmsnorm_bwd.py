@@ -20,6 +20,7 @@ paired program, their workspace rows summed pairwise first by ``dweight_reduce``
 dweight in the same order.
 """
 import math
+from collections import namedtuple
 
 from numba import float32, int32, int64, types, uint32
 
@@ -29,6 +30,17 @@ from ._config import BwdSpec, ReduceSpec
 from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_dot, make_chunk_sumsq,
                       make_row_sum, reduce_buffer_shape)
 
+# Records the row pieces take (numba named tuples: free after inlining): the kernel's arrays,
+# their row strides, and a call's arguments
+Arrays = namedtuple("Arrays", "dy x weight rstd dres dx ws")
+Offsets = namedtuple("Offsets", "dy x dres dx")
+Call = namedtuple("Call", "arrays strides m eps weight_offset")
+# a thread's floats: x and dy (a row's chunks, or one chunk when packed or looped), the weight
+# (held, or one chunk), the dweight partial, wdy, dx, dresidual and one decoded chunk of x / dy
+Floats = namedtuple("Floats", "x dy w acc wdy out dres xt dt")
+# a packed row's words of x, dy and dresidual
+Packed = namedtuple("Packed", "x dy dres")
+
 
 def _pointer(dtype):
     from numba.np.numpy_support import from_dtype
@@ -37,9 +49,10 @@ def _pointer(dtype):
 
 def argtypes(spec: BwdSpec):
     """(dy, x, weight, rstd, dresidual, dx, ws, m, dy_stride, x_stride, dres_stride, dx_stride,
-    eps, weight_offset)"""
+    eps, weight_offset); ws is dweight where ``spec.direct_dweight``."""
     data, f32 = _pointer(spec.dtype), types.CPointer(types.float32)
-    return (data, data, _pointer(spec.weight or _dtypes.FLOAT32), f32, data, data, f32,
+    ws = _pointer(spec.weight) if spec.direct_dweight else f32     # ws is dweight then
+    return (data, data, _pointer(spec.weight or _dtypes.FLOAT32), f32, data, data, ws,
             types.int64, types.int64, types.int64, types.int64, types.int64, types.float32,
             types.float32)
 
@@ -59,7 +72,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # (spec.stream_loads)
     io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector, shifted, spec.stream_loads)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector, shifted)
-    load, store, load_w = io.load, io.store, w_io.load
+    load, store, load_w, store_w = io.load, io.store, w_io.load, w_io.store
     load_words, words_to_floats = io.load_words, io.words_to_floats
     # packed (cached vector rows, and 16-bit scalar rows of 2 chunks): x and dy stay between the
     # passes as the loaded words (4 registers per chunk instead of 8 floats), re-decoded in
@@ -150,17 +163,19 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 wv[slot + e] = float32(0.0)
 
     @jitable
-    def load_row_words(x, dy, row, m, x_stride, dy_stride, tx, xw, dw):
-        """This thread's chunks of row ``row`` of x and dy as loaded words (zeros past M)."""
+    def load_row_words(call, row, tx, pk):
+        """This thread's chunks of row ``row`` of x and dy as loaded words into pk (zeros past
+        M)."""
+        a, s = call.arrays, call.strides
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
-            if row < m and col0 < n:
-                load_words(x, row * x_stride, col0, xw, k * 4)
-                load_words(dy, row * dy_stride, col0, dw, k * 4)
+            if row < call.m and col0 < n:
+                load_words(a.x, row * s.x, col0, pk.x, k * 4)
+                load_words(a.dy, row * s.dy, col0, pk.dy, k * 4)
             else:
                 for e in range(4):
-                    xw[k * 4 + e] = uint32(0)
-                    dw[k * 4 + e] = uint32(0)
+                    pk.x[k * 4 + e] = uint32(0)
+                    pk.dy[k * 4 + e] = uint32(0)
 
     @jitable
     def ws_store(ws, start, col0, vals, slot):
@@ -170,13 +185,24 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             if col0 + a * 4 < n:
                 ws_store_4(ws, start, col0 + a * 4, vals, slot + a * 4)
 
+    # direct (spec.direct_dweight): the grid's one partial row is dweight, encoded here.  A
+    # 16-bit weight's chunk is 16 bytes (x has its dtype): stored as x's chunks are, where byte
+    # by byte the warp's stores took 8 times the L2 writes (1x8192: 2 us of a 4.8 us call)
+    direct = spec.direct_dweight
+
     @jitable
     def store_partial(ws, ws_start, tx, acc):
-        """An unpaired cached row's dweight partial to its workspace row, or added into the
-        accumulator row (``atomic``)."""
+        """An unpaired cached row's dweight partial to its workspace row, added into the
+        accumulator row (``atomic``), or encoded to dweight (``direct``: the partial plus 0,
+        as dweight_reduce sums it; acc is not read again)."""
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
-            if atomic:
+            if direct:
+                if col0 < n:
+                    for e in range(chunk):
+                        acc[k * chunk + e] = acc[k * chunk + e] + float32(0.0)
+                    store_w(ws, 0, col0, acc, k * chunk)
+            elif atomic:
                 for a in range(chunk // 4):
                     if col0 + a * 4 < n:
                         ws_add_4(ws, col0 + a * 4, acc, k * chunk + a * 4)
@@ -189,8 +215,110 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         for e in range(chunk):
             out[e] = dv[slot + e] * (wv[wslot + e] + weight_offset) if has_weight else dv[slot + e]
 
+    @jitable
+    def words_to_chunk(w, k, z, vals):
+        """Chunk k of packed words (each XORed with ``z``) as floats in vals[0:chunk]."""
+        words_to_floats(w[k * 4] ^ z, w[k * 4 + 1] ^ z, w[k * 4 + 2] ^ z, w[k * 4 + 3] ^ z, vals,
+                        0)
+
+    @jitable
+    def start_program(call, tx, ws_start, sc):
+        """A program's weight floats (held ones) and zeroed dweight partial: in registers for
+        cached layouts, in its workspace row for looped ones."""
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if cached:
+                if hold_w:
+                    load_weight(call.arrays.weight, col0, sc.w, k * chunk)
+                for e in range(chunk):
+                    sc.acc[k * chunk + e] = float32(0.0)
+            elif has_weight:
+                for e in range(chunk):
+                    if col0 + e < n:
+                        call.arrays.ws[ws_start + col0 + e] = float32(0.0)
+
+    @jitable
+    def first_pass(call, row, live, tx, trips, r_row, sc, pk):
+        """Pass 1 of a row: this thread's shares of sum(x * wdy) and, when rstd is recomputed,
+        of sum(x * x).  Packed rows decode their words (loading them here unless prefetched);
+        with ``early_dw`` the dweight partial takes the row's dy * x_hat here too."""
+        a, s = call.arrays, call.strides
+        x_start = row * s.x
+        dy_start = row * s.dy
+        offset = call.weight_offset
+        sxw = sxw_comp = float32(0.0)
+        ss = ss_comp = float32(0.0)
+        for k in range(trips):
+            col0 = (tx + k * threads) * chunk
+            slot = k * chunk if cached else 0
+            wslot = slot if hold_w else 0
+            if packed:
+                if not prefetch:
+                    if live and col0 < n:
+                        load_words(a.x, x_start, col0, pk.x, k * 4)
+                        load_words(a.dy, dy_start, col0, pk.dy, k * 4)
+                    else:
+                        for e in range(4):
+                            pk.x[k * 4 + e] = uint32(0)
+                            pk.dy[k * 4 + e] = uint32(0)
+                words_to_chunk(pk.x, k, uint32(0), sc.xt)
+                words_to_chunk(pk.dy, k, uint32(0), sc.dt)
+                if has_weight and not hold_w:
+                    load_weight(a.weight, col0, sc.w, 0)
+                weighted(sc.dt, sc.w, 0, wslot, offset, sc.wdy)
+                sxw, sxw_comp = accumulate(sxw, sxw_comp, chunk_dot(sc.xt, 0, sc.wdy, 0))
+                if recompute:
+                    ss, ss_comp = accumulate(ss, ss_comp, chunk_sumsq(sc.xt, 0))
+                if early_dw and live:
+                    for e in range(chunk):
+                        sc.acc[slot + e] = fma(sc.dt[e], sc.xt[e] * r_row, sc.acc[slot + e])
+                continue
+            load_or_zero(a.x, x_start, col0, live, sc.x, slot)
+            load_or_zero(a.dy, dy_start, col0, live, sc.dy, slot)
+            if has_weight and not hold_w:
+                load_weight(a.weight, col0, sc.w, 0)
+            weighted(sc.dy, sc.w, slot, wslot, offset, sc.wdy)
+            sxw, sxw_comp = accumulate(sxw, sxw_comp, chunk_dot(sc.x, slot, sc.wdy, 0))
+            if recompute:
+                ss, ss_comp = accumulate(ss, ss_comp, chunk_sumsq(sc.x, slot))
+        return sxw, ss
+
+    @jitable
+    def pair_partials(ws, ws_start, tx, ty, part, acc):
+        """Paired blocks: each row hands the other the half of its partial that the other
+        stores, so both store 16 bytes; each sum is row 0's + row 1's (a + b is b + a, bit for
+        bit)."""
+        if ty == 0:
+            for e in range(half):
+                part[0, e, tx] = acc[half + e]
+        else:
+            for e in range(half):
+                part[1, e, tx] = acc[e]
+        gpu.syncthreads()
+        col0 = tx * chunk
+        if ty == 0:
+            for e in range(half):
+                acc[e] += part[1, e, tx]
+            if col0 < n:
+                ws_put(ws, ws_start, col0, acc, 0)
+        else:
+            for e in range(half):
+                acc[half + e] += part[0, e, tx]
+            if col0 + half < n:
+                ws_put(ws, ws_start, col0 + half, acc, half)
+
+    @jitable
+    def load_dres_words(call, row, live, tx, pk):
+        """``early_dres``: the row's dresidual words, loaded with its x and dy."""
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if live and col0 < n:
+                load_words(call.arrays.dres, row * call.strides.dres, col0, pk.dres, k * 4)
+
     def rmsnorm_bwd(dy, x, weight, rstd, dres, dx, ws, m, dy_stride, x_stride, dres_stride,
                     dx_stride, eps, weight_offset):
+        call = Call(Arrays(dy, x, weight, rstd, dres, dx, ws),
+                    Offsets(dy_stride, x_stride, dres_stride, dx_stride), m, eps, weight_offset)
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
         program = int64(gpu.blockIdx.x)
@@ -201,18 +329,21 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             red = gpu.shared.array(red_shape, float32)
         xv = gpu.local.array(chunk if packed else span, float32)
         dv = gpu.local.array(chunk if packed else span, float32)
-        wv = gpu.local.array(span if hold_w else chunk, float32)   # weight (``hold_w``)
-        acc = gpu.local.array(span, float32)   # dweight partial (cached layouts)
+        wv = gpu.local.array(span if hold_w else chunk, float32)
+        acc = gpu.local.array(span, float32)
         wdy = gpu.local.array(chunk, float32)
         out = gpu.local.array(chunk, float32)
-        rv = gpu.local.array(chunk, float32)   # dresidual
-        xw = gpu.local.array(words, uint32)    # packed x and dy (see ``packed``)
+        rv = gpu.local.array(chunk, float32)
+        xw = gpu.local.array(words, uint32)
         dw = gpu.local.array(words, uint32)
-        rw = gpu.local.array(dres_words, uint32)   # packed dresidual (see ``early_dres``)
-        xn = gpu.local.array(next_words, uint32)   # the next row's (see ``prefetch``)
+        rw = gpu.local.array(dres_words, uint32)
+        xn = gpu.local.array(next_words, uint32)
         dn = gpu.local.array(next_words, uint32)
-        xt = gpu.local.array(chunk, float32)   # one decoded chunk of packed x / dy
+        xt = gpu.local.array(chunk, float32)
         dt = gpu.local.array(chunk, float32)
+        sc = Floats(xv, dv, wv, acc, wdy, out, rv, xt, dt)
+        pk = Packed(xw, dw, rw)         # this row's words (``packed``)
+        nxt = Packed(xn, dn, rw)        # the next row's (``prefetch``)
         # a zero the compiler cannot prove: pass 2 decodes the packed words XORed with it, so no
         # decoded value or product of pass 1 is kept live across the row reduction.  Stored once,
         # before a barrier: rows of at most a warp reduce without one
@@ -229,23 +360,13 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         # weight lines at once, and issued first they held up the loads the first row waits on.
         # H200, bf16, kernel 1 (us), weight first / row first: 8192x8192 104.9-105.1 /
         # 104.3-104.5, 4096x4096 30.1-30.8 / 29.4-30.3, 1024x8192 18.7-18.8 / 18.4, 16384x8192
-        # 201.8-201.9 / 201.5 (results/tune_h200_20261130_s11/tune_bwd_rows_first.json)
+        # 201.8-201.9 / 201.5
         if prefetch:
             first = program * rows + ty
-            load_row_words(x, dy, first, m, x_stride, dy_stride, tx, xw, dw)
+            load_row_words(call, first, tx, pk)
             if next_rstd and first < m:
                 r_next = rstd[first]
-        for k in range(per_thread):
-            col0 = (tx + k * threads) * chunk
-            if cached:
-                if hold_w:
-                    load_weight(weight, col0, wv, k * chunk)
-                for e in range(chunk):
-                    acc[k * chunk + e] = float32(0.0)
-            elif has_weight:
-                for e in range(chunk):
-                    if col0 + e < n:
-                        ws[ws_start + col0 + e] = float32(0.0)
+        start_program(call, tx, ws_start, sc)
         step = programs * rows
         iters = (m - program * rows + step - 1) // step   # uniform in the block
         # looped layouts walk many chunks: a trip count the compiler cannot see (m >> 63 is 0)
@@ -254,57 +375,16 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         for it in range(iters):
             row = (program + it * programs) * rows + ty
             live = row < m
-            x_start = row * x_stride
-            dy_start = row * dy_stride
             if early_dres:
-                for k in range(per_thread):
-                    col0 = (tx + k * threads) * chunk
-                    if live and col0 < n:
-                        load_words(dres, row * dres_stride, col0, rw, k * 4)
+                load_dres_words(call, row, live, tx, pk)
             r_row = r_next
             if prefetch:
-                load_row_words(x, dy, row + step, m, x_stride, dy_stride, tx, xn, dn)
+                load_row_words(call, row + step, tx, nxt)
                 if next_rstd:
                     r_next = rstd[row + step] if row + step < m else float32(0.0)
-            # pass 1: sum(x * wdy) and, when recomputing rstd, sum(x * x)
-            s = s_comp = float32(0.0)
-            ss = ss_comp = float32(0.0)
-            for k in range(trips):
-                col0 = (tx + k * threads) * chunk
-                slot = k * chunk if cached else 0
-                if packed:
-                    if not prefetch:
-                        if live and col0 < n:
-                            load_words(x, x_start, col0, xw, k * 4)
-                            load_words(dy, dy_start, col0, dw, k * 4)
-                        else:
-                            for e in range(4):
-                                xw[k * 4 + e] = uint32(0)
-                                dw[k * 4 + e] = uint32(0)
-                    words_to_floats(xw[k * 4], xw[k * 4 + 1], xw[k * 4 + 2], xw[k * 4 + 3],
-                                    xt, 0)
-                    words_to_floats(dw[k * 4], dw[k * 4 + 1], dw[k * 4 + 2], dw[k * 4 + 3],
-                                    dt, 0)
-                    if has_weight and not hold_w:
-                        load_weight(weight, col0, wv, 0)
-                    weighted(dt, wv, 0, slot if hold_w else 0, weight_offset, wdy)
-                    s, s_comp = accumulate(s, s_comp, chunk_dot(xt, 0, wdy, 0))
-                    if recompute:
-                        ss, ss_comp = accumulate(ss, ss_comp, chunk_sumsq(xt, 0))
-                    if early_dw and live:
-                        for e in range(chunk):
-                            acc[slot + e] = fma(dt[e], xt[e] * r_row, acc[slot + e])
-                    continue
-                load_or_zero(x, x_start, col0, live, xv, slot)
-                load_or_zero(dy, dy_start, col0, live, dv, slot)
-                if has_weight and not hold_w:
-                    load_weight(weight, col0, wv, 0)
-                weighted(dv, wv, slot, slot if hold_w else 0, weight_offset, wdy)
-                s, s_comp = accumulate(s, s_comp, chunk_dot(xv, slot, wdy, 0))
-                if recompute:
-                    ss, ss_comp = accumulate(ss, ss_comp, chunk_sumsq(xv, slot))
+            sxw, ss = first_pass(call, row, live, tx, trips, r_row, sc, pk)
             if early_dw and it == iters - 1:
-                store_partial(ws, ws_start, tx, acc)
+                store_partial(ws, ws_start, tx, sc.acc)
             if recompute:
                 ss = row_sum(ss, red, parity, ty, tx)
                 parity ^= 1
@@ -313,73 +393,56 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 r = r_row
             else:
                 r = rstd[row] if live else float32(0.0)
-            s = row_sum(s, red, parity, ty, tx)
+            sxw = row_sum(sxw, red, parity, ty, tx)
             parity ^= 1
-            c1 = s * r / n_f32
-            # pass 2: dx, and the dweight partial dy * x_hat
+            c1 = sxw * r / n_f32
             if live:
-                dx_start = row * dx_stride
+                # pass 2: dx (+ dresidual) stored, and the dweight partial dy * x_hat (unless
+                # early_dw took it in pass 1); packed words decoded XORed with ``z``.  Here
+                # rather than in a function: inlined late, ptxas spilled the float32 N = 16384
+                # rows beyond their allowance
                 z = uint32(zero[0]) if packed else uint32(0)
+                dx_start = row * dx_stride
                 for k in range(trips):
                     col0 = (tx + k * threads) * chunk
                     if col0 < n:
                         slot = k * chunk if cached else 0
                         if packed:
-                            words_to_floats(xw[k * 4] ^ z, xw[k * 4 + 1] ^ z, xw[k * 4 + 2] ^ z,
-                                            xw[k * 4 + 3] ^ z, xv, 0)
-                            words_to_floats(dw[k * 4] ^ z, dw[k * 4 + 1] ^ z, dw[k * 4 + 2] ^ z,
-                                            dw[k * 4 + 3] ^ z, dv, 0)
+                            words_to_chunk(pk.x, k, z, sc.x)
+                            words_to_chunk(pk.dy, k, z, sc.dy)
                         elif not cached:
-                            load(x, x_start, col0, xv, 0)
-                            load(dy, dy_start, col0, dv, 0)
+                            load(x, row * x_stride, col0, sc.x, 0)
+                            load(dy, row * dy_stride, col0, sc.dy, 0)
                         if has_weight and not hold_w:
-                            load_w(weight, 0, col0, wv, 0)
+                            load_w(weight, 0, col0, sc.w, 0)
                         if early_dres:
-                            words_to_floats(rw[k * 4], rw[k * 4 + 1], rw[k * 4 + 2],
-                                            rw[k * 4 + 3], rv, 0)
+                            words_to_chunk(pk.dres, k, uint32(0), sc.dres)
                         elif has_dres:
-                            load(dres, row * dres_stride, col0, rv, 0)
+                            load(dres, row * dres_stride, col0, sc.dres, 0)
                         vslot = 0 if packed else slot     # where this chunk's x / dy floats are
-                        weighted(dv, wv, vslot, slot if hold_w else 0, weight_offset, wdy)
+                        weighted(sc.dy, sc.w, vslot, slot if hold_w else 0, weight_offset,
+                                 sc.wdy)
                         for e in range(chunk):
                             # every multiply-add an explicit fma: see intrinsics fma
-                            x_hat = xv[vslot + e] * r
-                            g = fma(-x_hat, c1, wdy[e])
-                            out[e] = fma(g, r, rv[e]) if has_dres else g * r
+                            x_hat = sc.x[vslot + e] * r
+                            g = fma(-x_hat, c1, sc.wdy[e])
+                            sc.out[e] = fma(g, r, sc.dres[e]) if has_dres else g * r
                             if has_weight and not early_dw:
                                 if cached:
-                                    acc[slot + e] = fma(dv[vslot + e], x_hat, acc[slot + e])
+                                    sc.acc[slot + e] = fma(sc.dy[vslot + e], x_hat,
+                                                           sc.acc[slot + e])
                                 elif col0 + e < n:
-                                    ws[ws_start + col0 + e] = fma(dv[e], x_hat,
-                                                                  ws[ws_start + col0 + e])
-                        store(dx, dx_start, col0, out, 0)
+                                    at = ws_start + col0 + e
+                                    ws[at] = fma(sc.dy[e], x_hat, ws[at])
+                        store(dx, dx_start, col0, sc.out, 0)
             if prefetch:
                 for e in range(words):
-                    xw[e] = xn[e]
-                    dw[e] = dn[e]
+                    pk.x[e] = nxt.x[e]
+                    pk.dy[e] = nxt.dy[e]
         if paired:
-            # each row hands the other the half of its partial that the other stores, so both
-            # store 16 bytes; each sum is row 0's + row 1's (a + b is b + a, bit for bit)
-            if ty == 0:
-                for e in range(half):
-                    part[0, e, tx] = acc[half + e]
-            else:
-                for e in range(half):
-                    part[1, e, tx] = acc[e]
-            gpu.syncthreads()
-            col0 = tx * chunk
-            if ty == 0:
-                for e in range(half):
-                    acc[e] += part[1, e, tx]
-                if col0 < n:
-                    ws_put(ws, ws_start, col0, acc, 0)
-            else:
-                for e in range(half):
-                    acc[half + e] += part[0, e, tx]
-                if col0 + half < n:
-                    ws_put(ws, ws_start, col0 + half, acc, half)
+            pair_partials(ws, ws_start, tx, ty, part, sc.acc)
         elif cached and has_weight and not (early_dw and iters > 0):
-            store_partial(ws, ws_start, tx, acc)
+            store_partial(ws, ws_start, tx, sc.acc)
 
     return rmsnorm_bwd
 

@@ -29,14 +29,16 @@ grid whose block p takes the row blocks p, p + P, ...; each thread holds a row's
 loaded 32-bit words and loads the next row's words before this row's stores and reduction (two
 word buffers, used alternately).  Programs with a weight (or xscale) also hold their columns'
 gains in registers, loaded once before the first row (``FwdSpec.held_weights``): w + offset, or
-g when quantised, where a one-shot row loads them after its reduction.  The float32 operations per row are the cached one-shot row's, so the bits are too.
-Rows of another program are never read, so in place still holds.
+g when quantised, where a one-shot row loads them after its reduction.  The float32 operations
+per row are the cached one-shot row's, so the bits are too.  Rows of another program are never
+read, so in place still holds.
 
 Programmatic dependent launch (CUDA sm_90, opt-in: backends.cuda): every forward waits for the
 kernel before it in the stream before its first load, and lets the next kernel start once its
 first row's loads are issued.
 """
 import math
+from collections import namedtuple
 
 from numba import float32, int64, types, uint32
 
@@ -44,6 +46,21 @@ from .. import _dtypes
 from ._config import FwdSpec
 from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_sumsq, make_quant_store,
                       make_row_sum, make_row_sum_max, reduce_buffer_shape)
+
+
+# Records the row pieces take, built once at the kernel's entry (numba named tuples: free after
+# inlining).  The arrays a spec does not have are None, and every use of one sits under the
+# compile-time switch that says it is there, so numba prunes it before typing.
+Arrays = namedtuple("Arrays", "x residual weight xscale y residual_out rstd yscale")
+# element offsets (row strides, or one row's starts) of the row-strided arrays
+Offsets = namedtuple("Offsets", "x residual y residual_out")
+# a call's arguments
+Call = namedtuple("Call", "arrays strides m eps weight_offset")
+# a thread's scratch: its chunks of the row (h, or t when quantised), of residual, one chunk of
+# weight and of xscale, and the gains a streamed program holds
+Scratch = namedtuple("Scratch", "vals rvals wvals svals gains")
+# a streamed row's chunks of x and residual as loaded 32-bit words
+Words = namedtuple("Words", "x residual")
 
 
 def argtypes(spec: FwdSpec):
@@ -121,24 +138,31 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             vals[slot + e] = h
 
     @jitable
-    def load_h(x, residual, x_start, r_start, col0, vals, slot, rvals):
-        """A chunk of h into vals[slot:]: x's, or round(x + residual)."""
-        load_x(x, x_start, col0, vals, slot)
-        if has_residual:
-            load_x(residual, r_start, col0, rvals, 0)
-            add_residual(vals, slot, rvals, 0)
+    def row_starts(call, row):
+        s = call.strides
+        return Offsets(row * s.x, row * s.residual, row * s.y, row * s.residual_out)
 
     @jitable
-    def load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals):
-        """Cached layouts: this thread's chunks of h into vals (zeros where the row or chunk does
-        not exist), h stored to residual_out.  Every load is issued before the first store, which
-        the compiler may not move loads across (the arrays may alias)."""
+    def load_h(call, at, col0, sc, slot):
+        """A chunk of h into sc.vals[slot:]: x's, or round(x + residual)."""
+        a = call.arrays
+        load_x(a.x, at.x, col0, sc.vals, slot)
+        if has_residual:
+            load_x(a.residual, at.residual, col0, sc.rvals, 0)
+            add_residual(sc.vals, slot, sc.rvals, 0)
+
+    @jitable
+    def load_row(call, at, live, tx, sc):
+        """Cached layouts: this thread's chunks of h into sc.vals (zeros where the row or chunk
+        does not exist), h stored to residual_out.  Every load is issued before the first store,
+        which the compiler may not move loads across (the arrays may alias)."""
+        a, vals, rvals = call.arrays, sc.vals, sc.rvals
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if live and (full or col0 < n):
-                load_x(x, x_start, col0, vals, k * chunk)
+                load_x(a.x, at.x, col0, vals, k * chunk)
                 if has_residual:
-                    load_x(residual, r_start, col0, rvals, k * chunk)
+                    load_x(a.residual, at.residual, col0, rvals, k * chunk)
             else:
                 for e in range(chunk):
                     vals[k * chunk + e] = float32(0.0)
@@ -149,10 +173,15 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 col0 = (tx + k * threads) * chunk
                 add_residual(vals, k * chunk, rvals, k * chunk)
                 if live and (full or col0 < n):
-                    store_y(residual_out, ro_start, col0, vals, k * chunk)
+                    store_y(a.residual_out, at.residual_out, col0, vals, k * chunk)
 
     @jitable
-    def sumsq_row(x, residual, x_start, r_start, live, tx, trips, vals, rvals):
+    def zero_chunk(vals):
+        for e in range(chunk):
+            vals[e] = float32(0.0)
+
+    @jitable
+    def sumsq_row(call, at, live, tx, trips, sc):
         """This thread's share of the row's sum of squares (loading chunks when not cached)."""
         acc = comp = float32(0.0)
         for k in range(trips):
@@ -160,100 +189,100 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             if not cached:
                 col0 = (tx + k * threads) * chunk
                 if live and (full or col0 < n):
-                    load_h(x, residual, x_start, r_start, col0, vals, 0, rvals)
+                    load_h(call, at, col0, sc, 0)
                 else:
-                    for e in range(chunk):
-                        vals[e] = float32(0.0)
-            acc, comp = accumulate(acc, comp, chunk_sumsq(vals, slot))
+                    zero_chunk(sc.vals)
+            acc, comp = accumulate(acc, comp, chunk_sumsq(sc.vals, slot))
         return acc
 
     @jitable
-    def scale_chunk(weight, col0, r, weight_offset, vals, slot, wvals, gains):
-        """vals[slot:] <- y = h * r * (weight + weight_offset) for one chunk (rows that are not
-        quantised, which have no xscale: FwdSpec); with ``held`` the factor is the program's
-        ``gains[slot:]``, the same float32 sum formed once (hold_gains)."""
+    def scale_chunk(call, col0, r, sc, slot):
+        """sc.vals[slot:] <- y = h * r * (weight + weight_offset) for one chunk (rows that are
+        not quantised, which have no xscale: FwdSpec); with ``held`` the factor is the program's
+        ``sc.gains[slot:]``, the same float32 sum formed once (hold_gains)."""
+        vals, wvals = sc.vals, sc.wvals
         if held:
             for e in range(chunk):
-                vals[slot + e] = (vals[slot + e] * r) * gains[slot + e]
+                vals[slot + e] = (vals[slot + e] * r) * sc.gains[slot + e]
             return
         if has_weight:
-            load_w(weight, 0, col0, wvals, 0)
+            load_w(call.arrays.weight, 0, col0, wvals, 0)
+        offset = call.weight_offset
         for e in range(chunk):
             v = vals[slot + e] * r
             if has_weight:
-                v = v * (wvals[e] + weight_offset if add_offset else wvals[e])
+                v = v * (wvals[e] + offset if add_offset else wvals[e])
             vals[slot + e] = v
 
     @jitable
-    def load_gain(weight, xscale, col0, weight_offset, wvals, svals):
-        """wvals[0:chunk] <- the quantiser's gain g = (weight + weight_offset) * xscale of one
+    def load_gain(call, col0, sc):
+        """sc.wvals[0:chunk] <- the quantiser's gain g = (weight + weight_offset) * xscale of one
         chunk (the factors present; 1 where neither is)."""
+        a, wvals, svals = call.arrays, sc.wvals, sc.svals
         if has_weight:
-            load_w(weight, 0, col0, wvals, 0)
+            load_w(a.weight, 0, col0, wvals, 0)
         if has_xscale:
-            load_s(xscale, 0, col0, svals, 0)
+            load_s(a.xscale, 0, col0, svals, 0)
         for e in range(chunk):
             g = float32(1.0)
             if has_weight:
-                g = wvals[e] + weight_offset if add_offset else wvals[e]
+                g = wvals[e] + call.weight_offset if add_offset else wvals[e]
             if has_xscale:
                 g = g * svals[e] if has_weight else svals[e]
             wvals[e] = g
 
     @jitable
-    def weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals, svals, gains):
-        """vals[slot:] <- t = h * g for one chunk: g loaded here, or with ``held`` taken from
-        the program's ``gains[slot:]`` (streamed rows, loaded once: hold_gains)."""
+    def weigh_chunk(call, col0, sc, slot):
+        """sc.vals[slot:] <- t = h * g for one chunk: g loaded here, or with ``held`` taken from
+        the program's ``sc.gains[slot:]`` (streamed rows, loaded once: hold_gains)."""
+        vals = sc.vals
         if held:
             for e in range(chunk):
-                vals[slot + e] = vals[slot + e] * gains[slot + e]
+                vals[slot + e] = vals[slot + e] * sc.gains[slot + e]
         elif has_gain:
-            load_gain(weight, xscale, col0, weight_offset, wvals, svals)
+            load_gain(call, col0, sc)
             for e in range(chunk):
-                vals[slot + e] = vals[slot + e] * wvals[e]
+                vals[slot + e] = vals[slot + e] * sc.wvals[e]
 
     @jitable
-    def hold_gains(weight, xscale, tx, weight_offset, wvals, svals, gains):
+    def hold_gains(call, tx, sc):
         """A streamed program's gains of its columns, once (zeros past the row): w + offset, or
         the quantiser's g."""
+        gains = sc.gains
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if full or col0 < n:
-                load_gain(weight, xscale, col0, weight_offset, wvals, svals)
+                load_gain(call, col0, sc)
                 for e in range(chunk):
-                    gains[k * chunk + e] = wvals[e]
+                    gains[k * chunk + e] = sc.wvals[e]
             else:
                 for e in range(chunk):
                     gains[k * chunk + e] = float32(0.0)
 
     @jitable
-    def reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals, slot, rvals,
-                 store):
-        """Looped layouts: re-read a chunk of h (from x and residual, never from what this kernel
-        wrote) and, in the pass that stores the row, store it to residual_out."""
-        load_h(x, residual, x_start, r_start, col0, vals, slot, rvals)
-        if has_residual and store:
-            store_y(residual_out, ro_start, col0, vals, slot)
+    def reload_h(call, at, col0, sc, slot):
+        """Looped layouts, in the pass that stores the row: re-read a chunk of h (from x and
+        residual, never from what this kernel wrote) and store it to residual_out."""
+        load_h(call, at, col0, sc, slot)
+        if has_residual:
+            store_y(call.arrays.residual_out, at.residual_out, col0, sc.vals, slot)
 
     @jitable
-    def finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
-                   ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, gains):
+    def finish_row(call, at, tx, trips, r, sc):
         """Last pass of a live row: scale this thread's chunks and store them."""
         for k in range(trips):
             col0 = (tx + k * threads) * chunk
             if full or col0 < n:
                 slot = k * chunk if cached else 0
                 if not cached:
-                    reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0, vals,
-                             slot, rvals, True)
-                scale_chunk(weight, col0, r, weight_offset, vals, slot, wvals, gains)
-                store_y(y, y_start, col0, vals, slot)
+                    reload_h(call, at, col0, sc, slot)
+                scale_chunk(call, col0, r, sc, slot)
+                store_y(call.arrays.y, at.y, col0, sc.vals, slot)
 
     @jitable
-    def sumsq_amax_row(x, residual, weight, xscale, x_start, r_start, live, tx, trips,
-                       weight_offset, vals, rvals, wvals, svals, gains):
+    def sumsq_amax_row(call, at, live, tx, trips, sc):
         """A quantised row's pass before its one reduction: this thread's share of sum(h**2)
-        (the same operations as sumsq_row) and max|t| over its chunks, t kept in vals when
+        (the same operations as sumsq_row) and max|t| over its chunks, t kept in sc.vals when
         cached.  max_abs ignores NaN (a row holding NaN / Inf in h is caught by its sum of
         squares) unless fma_levels, where max|t| is NaN when a t is."""
         acc = comp = float32(0.0)
@@ -264,43 +293,39 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             here = live and (full or col0 < n)
             if not cached:
                 if here:
-                    load_h(x, residual, x_start, r_start, col0, vals, 0, rvals)
+                    load_h(call, at, col0, sc, 0)
                 else:
-                    for e in range(chunk):
-                        vals[e] = float32(0.0)
-            acc, comp = accumulate(acc, comp, chunk_sumsq(vals, slot))
+                    zero_chunk(sc.vals)
+            acc, comp = accumulate(acc, comp, chunk_sumsq(sc.vals, slot))
             # held gains cost no loads: rows past M are weighed too (their h is zero and
             # nothing of them is stored) rather than branched around
             if (full or col0 < n) and (live or held):
-                weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals, svals, gains)
+                weigh_chunk(call, col0, sc, slot)
                 for e in range(chunk):
-                    amax = max_abs(amax, vals[slot + e])
+                    amax = max_abs(amax, sc.vals[slot + e])
         return acc, amax
 
     def make_quantise_row(through_y):
         @jitable
-        def quantise_row(x, residual, weight, xscale, q, residual_out, x_start, r_start, q_start,
-                         ro_start, tx, trips, weight_offset, r, s, pre, vals, rvals, wvals, svals,
-                         gains):
+        def quantise_row(call, at, tx, trips, r, s, pre, sc):
             """A quantised row's last pass: q = t * s in 8-bit levels, s = rstd / yscale; or
             ``through_y``, q = ((t * rstd) * pre) * s with s = 1 / (yscale * pre), pre a power
             of two that keeps s finite for a subnormal yscale (1 otherwise: exact).  Looped
             layouts recompute t with sumsq_amax_row's operations, so the same bits."""
+            vals = sc.vals
             for k in range(trips):
                 col0 = (tx + k * threads) * chunk
                 if full or col0 < n:
                     slot = k * chunk if cached else 0
                     if not cached:
-                        reload_h(x, residual, residual_out, x_start, r_start, ro_start, col0,
-                                 vals, slot, rvals, True)
-                        weigh_chunk(weight, xscale, col0, weight_offset, vals, slot, wvals,
-                                    svals, gains)
+                        reload_h(call, at, col0, sc, slot)
+                        weigh_chunk(call, col0, sc, slot)
                     if through_y:
                         for e in range(chunk):
                             vals[slot + e] = (vals[slot + e] * r) * pre
-                        store_q_converted(q, q_start, col0, vals, slot, s)
+                        store_q_converted(call.arrays.y, at.y, col0, vals, slot, s)
                     else:
-                        store_q(q, q_start, col0, vals, slot, s)
+                        store_q(call.arrays.y, at.y, col0, vals, slot, s)
 
         return quantise_row
 
@@ -309,192 +334,154 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     quantise_row, quantise_row_through_y = make_quantise_row(False), make_quantise_row(True)
 
     @jitable
-    def normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
-                      x_start, r_start, y_start, ro_start, tx, ty, trips, eps, weight_offset, red,
-                      buf, vals, rvals, wvals, svals, gains):
-        """A row from its sum of squares on: cached layouts have h in vals (residual_out stored);
-        ``red[buf:]`` takes its reduction."""
-        if quant:
-            # one reduction round for both: yscale = rstd * max|t| / QMAX is max|y| / QMAX up to
-            # float32 rounding (y = t * rstd), and the row needs no second barrier
-            acc, amax = sumsq_amax_row(x, residual, weight, xscale, x_start, r_start, live, tx,
-                                       trips, weight_offset, vals, rvals, wvals, svals, gains)
-            total, amax = row_sum_max(acc, amax, red, buf, ty, tx)
-            r = float32(1.0) / math.sqrt(total / n_f32 + eps)
-            scale = amax * r / qmax
-            if not math.isfinite(total):
-                scale = total * float32(0.0)    # NaN: a row holding NaN / Inf says so in yscale
-            elif scale == float32(0.0):
-                scale = float32(1.0)            # an all-zero row (or one that underflows)
-            if live:
-                if tx == 0:
-                    yscale[row] = scale
-                inv = float32(1.0) / scale
-                s = r * inv
-                # fma levels need every t finite: a finite yscale from a max|t| NaN cannot hide
-                # from says so (a non-finite one takes the converting form, through y)
-                if math.isfinite(s) and (math.isfinite(scale) or not fma_levels):
-                    quantise_row(x, residual, weight, xscale, y, residual_out, x_start, r_start,
-                                 y_start, ro_start, tx, trips, weight_offset, r, s, one, vals,
-                                 rvals, wvals, svals, gains)
-                else:   # max|t| below ~1e-36 (subnormal rows): rstd / yscale overflows;
-                    # or a t that is NaN / Inf.  A subnormal yscale's reciprocal overflows too:
-                    # y and yscale are both scaled by 2**64 first
-                    pre = two64 if scale < tiny else one
-                    quantise_row_through_y(x, residual, weight, xscale, y, residual_out, x_start,
-                                           r_start, y_start, ro_start, tx, trips, weight_offset,
-                                           r, one / (scale * pre), pre, vals, rvals, wvals, svals,
-                                           gains)
-            return
-        acc = sumsq_row(x, residual, x_start, r_start, live, tx, trips, vals, rvals)
-        total = row_sum(acc, red, buf, ty, tx)
-        r = float32(1.0) / math.sqrt(total / n_f32 + eps)
-        if store_rstd and live and tx == 0:
-            rstd[row] = r
+    def quantise(call, at, row, live, tx, ty, trips, red, buf, sc):
+        """A quantised row from its chunks on (cached layouts: h in sc.vals, residual_out
+        stored): one reduction round for the sum of squares and max|t| (yscale = rstd * max|t|
+        / QMAX is max|y| / QMAX up to float32 rounding, y = t * rstd), then q."""
+        acc, amax = sumsq_amax_row(call, at, live, tx, trips, sc)
+        total, amax = row_sum_max(acc, amax, red, buf, ty, tx)
+        r = float32(1.0) / math.sqrt(total / n_f32 + call.eps)
+        scale = amax * r / qmax
+        if not math.isfinite(total):
+            scale = total * float32(0.0)    # NaN: a row holding NaN / Inf says so in yscale
+        elif scale == float32(0.0):
+            scale = float32(1.0)            # an all-zero row (or one that underflows)
         if live:
-            finish_row(x, residual, weight, xscale, y, residual_out, x_start, r_start, y_start,
-                       ro_start, tx, trips, r, weight_offset, vals, rvals, wvals, gains)
+            if tx == 0:
+                call.arrays.yscale[row] = scale
+            inv = float32(1.0) / scale
+            s = r * inv
+            # fma levels need every t finite: a finite yscale from a max|t| NaN cannot hide
+            # from says so (a non-finite one takes the converting form, through y)
+            if math.isfinite(s) and (math.isfinite(scale) or not fma_levels):
+                quantise_row(call, at, tx, trips, r, s, one, sc)
+            else:   # max|t| below ~1e-36 (subnormal rows): rstd / yscale overflows; or a t
+                # that is NaN / Inf.  A subnormal yscale's reciprocal overflows too: y and
+                # yscale are both scaled by 2**64 first
+                pre = two64 if scale < tiny else one
+                quantise_row_through_y(call, at, tx, trips, r, one / (scale * pre), pre, sc)
 
     @jitable
-    def forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
-                r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals, svals,
-                gains):
+    def normalise_row(call, at, row, live, tx, ty, trips, red, buf, sc):
+        """A row from its chunks on (cached layouts: h in sc.vals, residual_out stored);
+        ``red[buf:]`` takes its reduction."""
+        if quant:
+            quantise(call, at, row, live, tx, ty, trips, red, buf, sc)
+            return
+        acc = sumsq_row(call, at, live, tx, trips, sc)
+        total = row_sum(acc, red, buf, ty, tx)
+        r = float32(1.0) / math.sqrt(total / n_f32 + call.eps)
+        if store_rstd and live and tx == 0:
+            call.arrays.rstd[row] = r
+        if live:
+            finish_row(call, at, tx, trips, r, sc)
+
+    @jitable
+    def one_shot(call, red, sc):
+        """A block's ``rows`` rows, one each for the threads of a row (threadIdx.y)."""
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
         row = int64(gpu.blockIdx.x) * rows + ty
-        live = row < m
-        x_start = row * x_stride
-        r_start = row * r_stride
-        ro_start = row * ro_stride
-        y_start = row * y_stride
+        live = row < call.m
+        at = row_starts(call, row)
         # looped rows walk their chunks with a trip count the compiler cannot see (m >> 63 is
         # 0): unrolled, their loads were hoisted and spilled (gfx942, N = 65536)
-        trips = per_thread if cached else per_thread + (m >> 63)
+        trips = per_thread if cached else per_thread + (call.m >> 63)
         wait_prior_grids()
         if cached:
-            load_row(x, residual, residual_out, x_start, r_start, ro_start, live, tx, vals, rvals)
+            load_row(call, at, live, tx, sc)
         release_dependents()
-        normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
-                      x_start, r_start, y_start, ro_start, tx, ty, trips, eps, weight_offset, red,
-                      0, vals, rvals, wvals, svals, gains)
+        normalise_row(call, at, row, live, tx, ty, trips, red, 0, sc)
 
     # ---- streamed rows (spec.stream: cached vector layouts) -------------------------------
     @jitable
-    def load_row_words(x, residual, row, m, x_stride, r_stride, tx, xw, rw):
+    def load_row_words(call, row, tx, words):
         """This thread's chunks of row ``row`` of x (and residual) as loaded 32-bit words, zeros
         past M or the row's end."""
+        a, s = call.arrays, call.strides
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
-            if row < m and (full or col0 < n):
-                load_words(x, row * x_stride, col0, xw, k * 4)
+            if row < call.m and (full or col0 < n):
+                load_words(a.x, row * s.x, col0, words.x, k * 4)
                 if has_residual:
-                    load_words(residual, row * r_stride, col0, rw, k * 4)
+                    load_words(a.residual, row * s.residual, col0, words.residual, k * 4)
             else:
                 for e in range(4):
-                    xw[k * 4 + e] = uint32(0)
+                    words.x[k * 4 + e] = uint32(0)
                     if has_residual:
-                        rw[k * 4 + e] = uint32(0)
+                        words.residual[k * 4 + e] = uint32(0)
 
     @jitable
-    def stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, row, step,
-                   x_stride, r_stride, y_stride, ro_stride, eps, weight_offset, red, buf, tx, ty,
-                   vals, rvals, wvals, svals, gains, xw, rw, next_xw, next_rw):
-        """One row of a streamed program: h from this row's words (xw, rw), the next row's
-        words loaded into (next_xw, next_rw) before this row's stores and reduction."""
-        live = row < m
+    def words_to_chunk(w, k, vals, slot):
+        words_to_floats(w[k * 4], w[k * 4 + 1], w[k * 4 + 2], w[k * 4 + 3], vals, slot)
+
+    @jitable
+    def stream_row(call, row, step, red, buf, tx, ty, sc, words, next_words):
+        """One row of a streamed program: h from this row's ``words``, the next row's loaded
+        into ``next_words`` before this row's stores and reduction."""
+        live = row < call.m
         for k in range(per_thread):
-            words_to_floats(xw[k * 4], xw[k * 4 + 1], xw[k * 4 + 2], xw[k * 4 + 3], vals,
-                            k * chunk)
+            words_to_chunk(words.x, k, sc.vals, k * chunk)
             if has_residual:
-                words_to_floats(rw[k * 4], rw[k * 4 + 1], rw[k * 4 + 2], rw[k * 4 + 3], rvals,
-                                0)
-                add_residual(vals, k * chunk, rvals, 0)
-        load_row_words(x, residual, row + step, m, x_stride, r_stride, tx, next_xw, next_rw)
-        x_start = row * x_stride
-        r_start = row * r_stride
-        ro_start = row * ro_stride
-        y_start = row * y_stride
+                words_to_chunk(words.residual, k, sc.rvals, 0)
+                add_residual(sc.vals, k * chunk, sc.rvals, 0)
+        load_row_words(call, row + step, tx, next_words)
+        at = row_starts(call, row)
         if has_residual:
             for k in range(per_thread):
                 col0 = (tx + k * threads) * chunk
                 if live and (full or col0 < n):
-                    store_y(residual_out, ro_start, col0, vals, k * chunk)
-        normalise_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, row, live,
-                      x_start, r_start, y_start, ro_start, tx, ty, per_thread, eps, weight_offset,
-                      red, buf, vals, rvals, wvals, svals, gains)
+                    store_y(call.arrays.residual_out, at.residual_out, col0, sc.vals, k * chunk)
+        normalise_row(call, at, row, live, tx, ty, per_thread, red, buf, sc)
 
     @jitable
-    def stream_rows(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
-                    r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals,
-                    svals, gains, aw, ar, bw, br):
+    def stream_rows(call, red, sc, a, b):
         """A persistent program: block p takes the row blocks p, p + P, ...  Two word buffers
-        alternate (a, b) so no words are copied; consecutive rows reduce through alternate
-        halves of ``red``, one barrier each."""
+        alternate (``a``, ``b``) so no words are copied; consecutive rows reduce through
+        alternate halves of ``red``, one barrier each."""
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
         program = int64(gpu.blockIdx.x)
         step = int64(gpu.gridDim.x) * rows
         row = program * rows + ty
-        iters = (m - program * rows + step - 1) // step     # uniform in the block
+        iters = (call.m - program * rows + step - 1) // step    # uniform in the block
         wait_prior_grids()
-        load_row_words(x, residual, row, m, x_stride, r_stride, tx, aw, ar)
+        load_row_words(call, row, tx, a)
         if held:
-            hold_gains(weight, xscale, tx, weight_offset, wvals, svals, gains)
+            hold_gains(call, tx, sc)
         release_dependents()
         for it in range(0, iters, 2):
-            stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, row, step,
-                       x_stride, r_stride, y_stride, ro_stride, eps, weight_offset, red, 0, tx,
-                       ty, vals, rvals, wvals, svals, gains, aw, ar, bw, br)
+            stream_row(call, row, step, red, 0, tx, ty, sc, a, b)
             if it + 1 < iters:
-                stream_row(x, residual, weight, xscale, y, residual_out, rstd, yscale, m,
-                           row + step, step, x_stride, r_stride, y_stride, ro_stride, eps,
-                           weight_offset, red, n_red, tx, ty, vals, rvals, wvals, svals, gains,
-                           bw, br, aw, ar)
+                stream_row(call, row + step, step, red, n_red, tx, ty, sc, b, a)
             row += 2 * step
 
-    def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
+    @jitable
+    def run(call):
+        """The block's shared reduction buffer and the thread's scratch, then its rows."""
         if red_align:   # a constant: the other branch is pruned before typing (numba-hip)
             red = gpu.shared.array(red_shape, float32, alignment=red_align)
         else:
             red = gpu.shared.array(red_shape, float32)
-        vals = gpu.local.array(cache_len, float32)
-        rvals = gpu.local.array(cache_len, float32)
-        wvals = gpu.local.array(chunk, float32)
-        svals = gpu.local.array(chunk, float32)
-        gains = gpu.local.array(gains_len, float32)    # held weights (streamed rows)
+        sc = Scratch(gpu.local.array(cache_len, float32), gpu.local.array(cache_len, float32),
+                     gpu.local.array(chunk, float32), gpu.local.array(chunk, float32),
+                     gpu.local.array(gains_len, float32))
         if stream:
-            aw = gpu.local.array(words, uint32)
-            bw = gpu.local.array(words, uint32)
-            stream_rows(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride,
-                        y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, gains, aw,
-                        aw, bw, bw)
+            a = Words(gpu.local.array(words, uint32), gpu.local.array(residual_words, uint32))
+            b = Words(gpu.local.array(words, uint32), gpu.local.array(residual_words, uint32))
+            stream_rows(call, red, sc, a, b)
         else:
-            forward(x, x, weight, weight, y, y, rstd, rstd, m, x_stride, x_stride, y_stride,
-                    y_stride, eps, weight_offset, red, vals, rvals, wvals, svals, gains)
+            one_shot(call, red, sc)
+
+    def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
+        # the plain forward has no residual, xscale or yscale: None, with strides 0
+        run(Call(Arrays(x, None, weight, None, y, None, rstd, None),
+                 Offsets(x_stride, int64(0), y_stride, int64(0)), m, eps, weight_offset))
 
     def rmsnorm_fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                           r_stride, y_stride, ro_stride, eps, weight_offset):
-        if red_align:   # a constant: the other branch is pruned before typing (numba-hip)
-            red = gpu.shared.array(red_shape, float32, alignment=red_align)
-        else:
-            red = gpu.shared.array(red_shape, float32)
-        vals = gpu.local.array(cache_len, float32)
-        rvals = gpu.local.array(cache_len, float32)
-        wvals = gpu.local.array(chunk, float32)
-        svals = gpu.local.array(chunk, float32)
-        gains = gpu.local.array(gains_len, float32)    # held gains (streamed rows)
-        if stream:
-            aw = gpu.local.array(words, uint32)
-            ar = gpu.local.array(residual_words, uint32)
-            bw = gpu.local.array(words, uint32)
-            br = gpu.local.array(residual_words, uint32)
-            stream_rows(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
-                        r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals,
-                        wvals, svals, gains, aw, ar, bw, br)
-        else:
-            forward(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
-                    r_stride, y_stride, ro_stride, eps, weight_offset, red, vals, rvals, wvals,
-                    svals, gains)
+        run(Call(Arrays(x, residual, weight, xscale, y, residual_out, rstd, yscale),
+                 Offsets(x_stride, r_stride, y_stride, ro_stride), m, eps, weight_offset))
 
     return rmsnorm_fused_fwd if spec.fused else rmsnorm_fwd
 
