@@ -52,7 +52,8 @@ _FROM_NUMPY = {v: k for k, v in NUMPY.items()}
 
 
 def name_of_numpy(dtype, reinterpret=None):
-    """The library name of a NumPy dtype; ``reinterpret`` ("bfloat16"/"float16") reads uint16 storage."""
+    """The library name of a NumPy dtype; ``reinterpret`` ("bfloat16"/"float16") reads uint16
+    storage."""
     dtype = np.dtype(dtype)
     if dtype == np.uint16 and reinterpret in HALF_DTYPES:
         return reinterpret

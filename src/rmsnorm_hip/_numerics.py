@@ -62,7 +62,8 @@ def quant_within_contract(q, yscale, q_ref, yscale_ref, quant_dtype, tie=1e-5):
     return ok_levels and ok_scale, rel, float(diff.max(initial=0))
 
 def dx_within_contract(dx, ref, s, dtype):
-    """The contract's dx rule (docs/api.md): errors measured against s = |dy (weight + offset) rstd| per element."""
+    """The contract's dx rule (docs/api.md): errors measured against s = |dy (weight + offset)
+    rstd| per element."""
     dx = np.asarray(dx, dtype=np.float64)
     err = np.abs(dx - ref)
     norm_s = np.linalg.norm(s)

@@ -134,8 +134,13 @@ def amd_records(variant, archs, intr, keep_dir=None):
     records = {}
     for arch, (code_object, isa, metadata) in compiled.items():
         kernel = metadata["amdhsa.kernels"][0]
-        num = lambda key: int(kernel[key]) if key in kernel else None
-        count = lambda pattern: len(re.findall(rf"^\s*{pattern}\b", isa, re.MULTILINE))
+
+        def num(key, kernel=kernel):
+            return int(kernel[key]) if key in kernel else None
+
+        def count(pattern, isa=isa):
+            return len(re.findall(rf"^\s*{pattern}\b", isa, re.MULTILINE))
+
         machine, mach = _elf_mach(code_object)
         records[arch] = record = _describe(variant)
         record.update(
@@ -480,14 +485,16 @@ def print_table(reports, target, out=sys.stdout):
     first = reports[archs[0]]["kernels"]
     if target == "hip":
         head = "vgpr sgpr agpr occ  lds scr spill ld4/st4"
-        cell = lambda r: (f"{r['vgpr']:>4} {r['sgpr']:>4} {r['agpr']:>4} {r['occupancy'] or 0:>3} "
-                          f"{r['lds_bytes']:>4} {r['scratch_bytes']:>3} "
-                          f"{r['vgpr_spill'] + r['sgpr_spill']:>5} "
-                          f"{r['global_load_dwordx4']:>3}/{r['global_store_dwordx4']:<3}")
+        def cell(r):
+            return (f"{r['vgpr']:>4} {r['sgpr']:>4} {r['agpr']:>4} {r['occupancy'] or 0:>3} "
+                    f"{r['lds_bytes']:>4} {r['scratch_bytes']:>3} "
+                    f"{r['vgpr_spill'] + r['sgpr_spill']:>5} "
+                    f"{r['global_load_dwordx4']:>3}/{r['global_store_dwordx4']:<3}")
     else:
         head = "ld4 st4 depot shared"
-        cell = lambda r: (f"{r['ld_global_v4']:>3} {r['st_global_v4']:>3} "
-                          f"{'yes' if r['local_depot'] else 'no':>5} {r['shared_bytes']:>6}")
+        def cell(r):
+            return (f"{r['ld_global_v4']:>3} {r['st_global_v4']:>3} "
+                    f"{'yes' if r['local_depot'] else 'no':>5} {r['shared_bytes']:>6}")
     width = max(len(r["label"]) for r in first)
     print(f"{'kernel':<{width}}  " + "  ".join(f"{a:^{len(head)}}" for a in archs), file=out)
     print(f"{'':<{width}}  " + "  ".join(head for _ in archs), file=out)

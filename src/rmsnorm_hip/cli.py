@@ -184,13 +184,15 @@ def cmd_check(args):
         to_device = lambda a, dtype: (a, None)  # noqa: E731
         to_host = lambda a, dtype: np.asarray(a)  # noqa: E731
     print(f"rmsnorm-hip check on {name} ({device}), arrays: {lib}")
-    print(f"{'op':10s} {'dtype':9s} {'weight':9s} {'shape':>12s}  {'rel err':>9s} {'max ulp':>8s}  result")
+    print(f"{'op':10s} {'dtype':9s} {'weight':9s} {'shape':>12s}  {'rel err':>9s} "
+          f"{'max ulp':>8s}  result")
     failures = 0
     for op, check in CHECKS.items():
         for dtype in _dtypes.ACTIVATION_DTYPES:
             op_failures = 0
             for m, n in CHECK_SHAPES:
-                for wdtype in [None, dtype] + ([_dtypes.FLOAT32] if dtype != _dtypes.FLOAT32 else []):
+                wide = [_dtypes.FLOAT32] if dtype != _dtypes.FLOAT32 else []
+                for wdtype in [None, dtype] + wide:
                     case = _Case(rng, m, n, dtype, wdtype, to_device, to_host)
                     ok, rel, ulps = check(case)
                     op_failures += not ok

@@ -167,7 +167,9 @@ class CudaKernel:
         """Registers, local (spill) bytes and static shared memory of the loaded kernel."""
         from cuda.bindings import driver
         a = driver.CUfunction_attribute
-        get = lambda attr: _check(driver.cuFuncGetAttribute(attr, self.function), "cuFuncGetAttribute")
+
+        def get(attr):
+            return _check(driver.cuFuncGetAttribute(attr, self.function), "cuFuncGetAttribute")
         return dict(registers=get(a.CU_FUNC_ATTRIBUTE_NUM_REGS),
                     local_bytes=get(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
                     shared_bytes=get(a.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
@@ -185,14 +187,17 @@ class CudaBackend(GpuBackend):
         self._device = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
         attr = driver.CUdevice_attribute
         major = _check(driver.cuDeviceGetAttribute(
-            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._device), "cuDeviceGetAttribute")
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._device),
+            "cuDeviceGetAttribute")
         minor = _check(driver.cuDeviceGetAttribute(
-            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._device), "cuDeviceGetAttribute")
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._device),
+            "cuDeviceGetAttribute")
         self.cc = (major, minor)
         self.arch = f"sm_{major}{minor}"
         self.sm_count = _check(driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self._device), "cuDeviceGetAttribute")
-        self._context = _check(driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
+        self._context = _check(driver.cuDevicePrimaryCtxRetain(self._device),
+                               "cuDevicePrimaryCtxRetain")
         self._context_id = int(self._context)
         self._launch = _ctypes_launcher()
         # A function and a stream of this device's context launched while another device's

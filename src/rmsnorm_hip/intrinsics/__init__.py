@@ -15,8 +15,9 @@ Names every GPU namespace provides
 ``f32_as_u32``, ``u32_as_f32``     bit casts
 ``bf16_to_f32``, ``f32_to_bf16``,  16-bit float codecs on ``uint16`` bits, round-to-nearest-even,
 ``f16_to_f32``, ``f32_to_f16``     NaN kept NaN
-``pack_bf16x2``, ``pack_f16x2``  two float32 -> one uint32 of two 16-bit floats (lo in bits 0-15),
-                                  round-to-nearest-even (NaN stays NaN; its bits may differ by backend)
+``pack_bf16x2``, ``pack_f16x2``  two float32 -> one uint32 of two 16-bit floats (lo in bits
+                                  0-15), round-to-nearest-even (NaN stays NaN; its bits may
+                                  differ by backend)
 ``f32_to_i8``, ``f32_to_e4m3``     8-bit quantised levels: int8 (an int32 in [-127, 127]) and
                                   float8 e4m3fn bits (uint32), round-to-nearest-even, saturating
                                   (+-127 / +-448); NaN -> 0 (int8) / NaN (e4m3fn).  CUDA's int8

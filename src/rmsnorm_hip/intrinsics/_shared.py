@@ -23,7 +23,8 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
     @jitable
     def f32_to_bf16(value):
         u = f32_as_u32(float32(value))
-        if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):  # NaN -> canonical quiet NaN, as ml_dtypes
+        # NaN -> canonical quiet NaN, as ml_dtypes
+        if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
             return uint16(((u >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
         lsb = (u >> uint32(16)) & uint32(1)
         return uint16((u + uint32(0x7FFF) + lsb) >> uint32(16))

@@ -16,7 +16,8 @@ def build():
     compiled = _llvm.define(intrinsic)
     shared = _shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
                            _no_shuffle)
-    return SimpleNamespace(features=frozenset(), name="cpu", warp=1, gpu=None, jitable=register_jitable,
+    return SimpleNamespace(features=frozenset(), name="cpu", warp=1, gpu=None,
+                           jitable=register_jitable,
                            f32_as_u32=compiled["f32_as_u32"], u32_as_f32=compiled["u32_as_f32"],
                            fma=compiled["fma"],
                            **vars(shared))

@@ -69,7 +69,8 @@ def build():
         atomic_add(ptr, idx + 3, d)
 
     shared.update(atomic_add_f32x4=atomic_add_f32x4)
-    return SimpleNamespace(features=frozenset({"gpu"}), name="hip", warp=WARP, shared_alignment=None,
+    return SimpleNamespace(features=frozenset({"gpu"}), name="hip", warp=WARP,
+                           shared_alignment=None,
                            gpu=hip, jitable=register_jitable, row_barrier=_row_barrier,
                            wait_prior_grids=_no_grid_dependency,
                            release_dependents=_no_grid_dependency,

@@ -1,7 +1,8 @@
-"""Simulator intrinsics: the numba-cuda simulator (``NUMBA_ENABLE_CUDASIM=1``) runs kernels as Python
-threads, one OS thread per GPU thread.  It has no warp shuffles, so ``shfl_xor`` is emulated here
-with a barrier per warp; the warp width is a parameter, so the AMD 64-lane wavefront logic runs on
-the CPU too.  Shuffles assume warp-uniform control flow, which is how the kernels use them.
+"""Simulator intrinsics: the numba-cuda simulator (``NUMBA_ENABLE_CUDASIM=1``) runs kernels as
+Python threads, one OS thread per GPU thread.  It has no warp shuffles, so ``shfl_xor`` is
+emulated here with a barrier per warp; the warp width is a parameter, so the AMD 64-lane
+wavefront logic runs on the CPU too.  Shuffles assume warp-uniform control flow, which is how the
+kernels use them.
 """
 import sys
 import threading
@@ -312,9 +313,10 @@ def build(warp):
     _event_driven_blocks()
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
     shared.warp_sum, shared.warp_max = _make_warp_reductions(warp, shared.max_nan)
-    return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="sim", warp=warp, shared_alignment=16,
-                           gpu=_SimGpu(), jitable=_identity,
-                           f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128, fma=fma,
+    return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="sim", warp=warp,
+                           shared_alignment=16, gpu=_SimGpu(), jitable=_identity,
+                           f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,
+                           fma=fma,
                            align_offset=align_offset,
                            max_abs=max_abs, max_abs_nan=max_abs_nan,
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,

@@ -120,7 +120,6 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     ws_store_4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, spec.vector and n % 4 == 0, shifted).store
 
     # deterministic=False (spec.atomic_dweight): the partials go into one float32 row by atomic
-    # adds instead of into the program's workspace row
     # adds instead of into the program's workspace row; 4 at a time where they are 16-byte
     # aligned (the accumulator row is)
     atomic, atomic_add, atomic_add_4 = (spec.atomic_dweight, intr.atomic_add_f32,
@@ -343,7 +342,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         dt = gpu.local.array(chunk, float32)
         sc = Floats(xv, dv, wv, acc, wdy, out, rv, xt, dt)
         pk = Packed(xw, dw, rw)         # this row's words (``packed``)
-        nxt = Packed(xn, dn, rw)        # the next row's (``prefetch``)
+        nxt = Packed(xn, dn, rw)        # the next row's (``prefetch``; its dres is unused)
         # a zero the compiler cannot prove: pass 2 decodes the packed words XORed with it, so no
         # decoded value or product of pass 1 is kept live across the row reduction.  Stored once,
         # before a barrier: rows of at most a warp reduce without one
@@ -398,9 +397,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             c1 = sxw * r / n_f32
             if live:
                 # pass 2: dx (+ dresidual) stored, and the dweight partial dy * x_hat (unless
-                # early_dw took it in pass 1); packed words decoded XORed with ``z``.  Here
-                # rather than in a function: inlined late, ptxas spilled the float32 N = 16384
-                # rows beyond their allowance
+                # early_dw took it in pass 1); packed words decoded XORed with ``z``.  Here, on
+                # the kernel's own arguments, rather than in a function of ``call``: inlined
+                # late, ptxas spilled the float32 N = 16384 rows beyond their allowance
                 z = uint32(zero[0]) if packed else uint32(0)
                 dx_start = row * dx_stride
                 for k in range(trips):

@@ -22,7 +22,8 @@ residual) in every pass and store residual_out in the last.  No pass reads what 
 wrote, and each thread reads a chunk before it writes that chunk and nothing else, so ``y`` may
 be ``x`` and ``residual_out`` ``residual`` (the in-place entry point).  Each block owns ``rows``
 rows; a row's arithmetic does not depend on the grid.  Rows past M take part in the reductions
-and store nothing; absent arrays are null pointers that are never touched.
+and store nothing; absent arrays are never touched (null pointers in the fused kernel, None in
+the plain one).
 
 Streamed (``FwdSpec.stream``, cached vector rows; chosen per call, kernels/_config): a persistent
 grid whose block p takes the row blocks p, p + P, ...; each thread holds a row's chunks as the
@@ -49,15 +50,17 @@ from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_sumsq, make_qu
 
 
 # Records the row pieces take, built once at the kernel's entry (numba named tuples: free after
-# inlining).  The arrays a spec does not have are None, and every use of one sits under the
-# compile-time switch that says it is there, so numba prunes it before typing.
+# inlining).  Every use of an array sits under the compile-time switch that says the spec has
+# it: the plain kernel passes None for the fused arrays (numba prunes their uses before typing),
+# the fused kernel null pointers for those a call lacks.
 Arrays = namedtuple("Arrays", "x residual weight xscale y residual_out rstd yscale")
 # element offsets (row strides, or one row's starts) of the row-strided arrays
 Offsets = namedtuple("Offsets", "x residual y residual_out")
 # a call's arguments
 Call = namedtuple("Call", "arrays strides m eps weight_offset")
 # a thread's scratch: its chunks of the row (h, or t when quantised), of residual, one chunk of
-# weight and of xscale, and the gains a streamed program holds
+# weight (or of the quantiser's gain g: load_gain) and of xscale, and the gains a streamed
+# program holds
 Scratch = namedtuple("Scratch", "vals rvals wvals svals gains")
 # a streamed row's chunks of x and residual as loaded 32-bit words
 Words = namedtuple("Words", "x residual")
@@ -395,35 +398,35 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
 
     # ---- streamed rows (spec.stream: cached vector layouts) -------------------------------
     @jitable
-    def load_row_words(call, row, tx, words):
+    def load_row_words(call, row, tx, buf):
         """This thread's chunks of row ``row`` of x (and residual) as loaded 32-bit words, zeros
         past M or the row's end."""
         a, s = call.arrays, call.strides
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if row < call.m and (full or col0 < n):
-                load_words(a.x, row * s.x, col0, words.x, k * 4)
+                load_words(a.x, row * s.x, col0, buf.x, k * 4)
                 if has_residual:
-                    load_words(a.residual, row * s.residual, col0, words.residual, k * 4)
+                    load_words(a.residual, row * s.residual, col0, buf.residual, k * 4)
             else:
                 for e in range(4):
-                    words.x[k * 4 + e] = uint32(0)
+                    buf.x[k * 4 + e] = uint32(0)
                     if has_residual:
-                        words.residual[k * 4 + e] = uint32(0)
+                        buf.residual[k * 4 + e] = uint32(0)
 
     @jitable
     def words_to_chunk(w, k, vals, slot):
         words_to_floats(w[k * 4], w[k * 4 + 1], w[k * 4 + 2], w[k * 4 + 3], vals, slot)
 
     @jitable
-    def stream_row(call, row, step, red, buf, tx, ty, sc, words, next_words):
-        """One row of a streamed program: h from this row's ``words``, the next row's loaded
+    def stream_row(call, row, step, red, buf, tx, ty, sc, this_words, next_words):
+        """One row of a streamed program: h from ``this_words``, the next row's loaded
         into ``next_words`` before this row's stores and reduction."""
         live = row < call.m
         for k in range(per_thread):
-            words_to_chunk(words.x, k, sc.vals, k * chunk)
+            words_to_chunk(this_words.x, k, sc.vals, k * chunk)
             if has_residual:
-                words_to_chunk(words.residual, k, sc.rvals, 0)
+                words_to_chunk(this_words.residual, k, sc.rvals, 0)
                 add_residual(sc.vals, k * chunk, sc.rvals, 0)
         load_row_words(call, row + step, tx, next_words)
         at = row_starts(call, row)
@@ -435,7 +438,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         normalise_row(call, at, row, live, tx, ty, per_thread, red, buf, sc)
 
     @jitable
-    def stream_rows(call, red, sc, a, b):
+    def stream_rows(call, red, sc, words_a, words_b):
         """A persistent program: block p takes the row blocks p, p + P, ...  Two word buffers
         alternate (``a``, ``b``) so no words are copied; consecutive rows reduce through
         alternate halves of ``red``, one barrier each."""
@@ -446,14 +449,14 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         row = program * rows + ty
         iters = (call.m - program * rows + step - 1) // step    # uniform in the block
         wait_prior_grids()
-        load_row_words(call, row, tx, a)
+        load_row_words(call, row, tx, words_a)
         if held:
             hold_gains(call, tx, sc)
         release_dependents()
         for it in range(0, iters, 2):
-            stream_row(call, row, step, red, 0, tx, ty, sc, a, b)
+            stream_row(call, row, step, red, 0, tx, ty, sc, words_a, words_b)
             if it + 1 < iters:
-                stream_row(call, row + step, step, red, n_red, tx, ty, sc, b, a)
+                stream_row(call, row + step, step, red, n_red, tx, ty, sc, words_b, words_a)
             row += 2 * step
 
     @jitable
@@ -467,14 +470,16 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                      gpu.local.array(chunk, float32), gpu.local.array(chunk, float32),
                      gpu.local.array(gains_len, float32))
         if stream:
-            a = Words(gpu.local.array(words, uint32), gpu.local.array(residual_words, uint32))
-            b = Words(gpu.local.array(words, uint32), gpu.local.array(residual_words, uint32))
-            stream_rows(call, red, sc, a, b)
+            words_a = Words(gpu.local.array(words, uint32),
+                            gpu.local.array(residual_words, uint32))
+            words_b = Words(gpu.local.array(words, uint32),
+                            gpu.local.array(residual_words, uint32))
+            stream_rows(call, red, sc, words_a, words_b)
         else:
             one_shot(call, red, sc)
 
     def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
-        # the plain forward has no residual, xscale or yscale: None, with strides 0
+        # the plain forward has no residual, residual_out, xscale or yscale: None, strides 0
         run(Call(Arrays(x, None, weight, None, y, None, rstd, None),
                  Offsets(x_stride, int64(0), y_stride, int64(0)), m, eps, weight_offset))
 
