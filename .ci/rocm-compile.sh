@@ -15,9 +15,9 @@
 # global_store_dwordx4, a main kernel (vector path, one cached row per block) over 64 VGPRs, a
 # kernel whose block cannot be resident with its VGPRs (src/rmsnorm_hip/aot.py), or when the
 # environment cannot be built.  The reports are written either way.  Needs root.
-# Measured on this 2-core machine: environment 61-99 s cold / 2-3 s warm; compiles 2-3 min
-# (239 variants x 2 arches, ~0.3 s of CPU per rms_norm kernel and arch, ~1.5 s per fused one, two
-# worker processes).
+# Measured on this 2-core machine: environment 61-99 s cold / 2-3 s warm; compiles 22-25 min for
+# 590 variants x 2 arches beside the full pytest tier in CI (two worker processes, niced), 45 s
+# for 49 variants alone.
 set -Eeuo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
