@@ -124,3 +124,93 @@ def test_a_warm_up_pass_times_every_checked_implementation_first_and_is_discarde
     calls.clear(), timings.clear()
     records = runner._run_case(spec, Stub(), {"a": impl("a")}, (5, 64, "float32"), 0, True, 1.0)
     assert calls == ["a", "a"] and timings == ["a"] and records[0]["ok"]
+
+
+# ---- the QK-norm and gated ops (not in `all`: run by name) ----
+
+HEAD_AND_GATED_OPS = ("qk", "qk_rope", "gated", "gated_bwd")
+
+
+def _documented_bytes(op, M, N, e):
+    """The byte formulas as the op summaries state them (Hq = 32, Hk = 8 heads of size N)."""
+    qk = 2 * M * (32 + 8) * N * e + 2 * N * e
+    return {"qk": qk, "qk_rope": qk + M * N * 4 + M * 8, "gated": 3 * M * N * e + N * e,
+            "gated_bwd": 5 * M * N * e + 2 * N * e}[op]
+
+
+@pytest.mark.parametrize("op", HEAD_AND_GATED_OPS)
+def test_head_and_gated_ops_pass_their_checks_on_the_cpu(op):
+    """ours, NumPy and (where installed) torch on a tiny float32 case: every output within the
+    tolerance of the float64 reference, and the bytes as documented."""
+    from rmsnorm_hip._bench import targets
+    target = targets.make_target("cpu")
+    spec = ops.OPS[op]
+    impls = runner._implementations(spec, "cpu", "all")
+    assert list(impls) == list(IMPLS)
+    _, records = runner.checked_records(spec, target, impls, (3, 64, "float32"), 0)
+    for record in records.values():
+        assert record["ok"], record
+        assert 0 <= record["rel_err"] < 1e-5
+        assert record["bytes"] == _documented_bytes(op, 3, 64, 4)
+    assert spec.bytes_moved(5, 128, 2) == _documented_bytes(op, 5, 128, 2)
+
+
+@pytest.mark.parametrize("op", ["qk", "qk_rope"])
+def test_qk_ops_run_in_place_on_views_of_one_qkv_buffer(op):
+    """q and k are (T, 32, D) and (T, 8, D) views into a (T, 48 D) buffer; each check gets
+    views of the same shape and strides into a copy of it, so the case's inputs, which the
+    timings use, stay as made."""
+    import numpy as np
+
+    from rmsnorm_hip._bench import targets
+    target = targets.make_target("cpu")
+    spec = ops.OPS[op]
+    args = spec.make_inputs(target, 3, 16, "float32", 0)
+    q, k = args[:2]
+    assert q.shape == (3, 32, 16) and k.shape == (3, 8, 16) and q.base is k.base
+    assert q.base.shape == (3, 48 * 16) and np.shares_memory(k, q.base)
+    assert k.ctypes.data - q.ctypes.data == 32 * 16 * 4
+    if op == "qk_rope":
+        positions, cache = args[5:]
+        assert positions.dtype == np.int64 and list(positions) == [0, 1, 2]
+        assert cache.dtype == np.float32 and cache.shape == (ops.ROPE_MAX_POSITION, 16)
+    before = q.base.copy()
+    fresh = spec.fresh_inputs(args)
+    assert fresh[0].base is fresh[1].base and fresh[0].base is not q.base
+    assert (fresh[0].strides, fresh[1].strides) == (q.strides, k.strides)
+    spec.ours["cpu"]["ours"]()(*fresh)
+    assert np.array_equal(q.base.view(np.uint32), before.view(np.uint32))
+    assert not np.array_equal(fresh[0].base.view(np.uint32), before.view(np.uint32))
+    v = slice(40 * 16, None)  # the v part of the buffer is never written
+    assert np.array_equal(fresh[0].base[:, v].view(np.uint32), before[:, v].view(np.uint32))
+
+
+@pytest.mark.parametrize("op", HEAD_AND_GATED_OPS)
+def test_a_wrong_head_or_gated_output_fails_the_check(op):
+    from rmsnorm_hip._bench import targets
+    target = targets.make_target("cpu")
+    spec = ops.OPS[op]
+    args = spec.make_inputs(target, 5, 32, "float32", 0)
+    reference = spec.reference(target, *args)
+    good = spec.peers["cpu"]["numpy"]()(*spec.fresh_inputs(args))
+    assert spec.passes("float32", spec.max_rel_err(target, good, reference))
+    outputs = good if isinstance(good, tuple) else (good,)
+    for i in range(len(outputs)):  # each output counts
+        wrong = tuple(o * 1.001 if j == i else o for j, o in enumerate(outputs))
+        wrong = wrong if isinstance(good, tuple) else wrong[0]
+        assert not spec.passes("float32", spec.max_rel_err(target, wrong, reference))
+
+
+def test_head_and_gated_ops_run_from_the_command_line_and_in_decode_mode(monkeypatch):
+    """``bench --op NAME`` on the CPU, ours only, exits 0 (the copy bandwidth stubbed: its
+    256 MB copies are not what is tested); ``--decode --ops`` accepts them, and the QK-norm
+    ops' decode cases are head sizes."""
+    from rmsnorm_hip._bench import decode, targets
+    monkeypatch.setattr(targets.CpuTarget, "copy_bandwidth", lambda self: {"gbps": 10.0})
+    for op in HEAD_AND_GATED_OPS:
+        assert runner.main(["--device", "cpu", "--op", op, "--shapes", "2x32", "--dtypes",
+                            "fp32", "--compare", "none", "--no-host", "--no-progress"]) == 0
+    assert decode.op_names("qk,qk_rope,gated,gated_bwd") == HEAD_AND_GATED_OPS
+    assert {N for _, N, _ in decode.cases(op="qk")} == {64, 128, 256}
+    assert decode.cases(op="gated") == decode.cases()
+    assert len(decode.cases(op="qk_rope")) == 15

@@ -135,3 +135,62 @@ def test_check_without_torch_prints_no_traceback_or_warning(tmp_path):
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert done.stdout.splitlines()[-1] == "PASS"
     assert "torch" not in done.stdout and "Error" not in done.stdout
+
+
+def test_gated_references_are_the_gradient_of_the_forward():
+    """The check's float64 gated backward (dx, dz, dweight) against central differences of its
+    forward, both gates, with and without groups, and a weight offset."""
+    import numpy as np
+
+    from rmsnorm_hip import _check_heads
+
+    rng = np.random.default_rng(0)
+    m, n = 3, 12
+    x, z, dy = (rng.standard_normal((m, n)) for _ in range(3))
+    w = 1 + 0.1 * rng.standard_normal(n)
+    h = 1e-6
+    for g in (n, 4):
+        for nbg in (False, True):
+            def loss(x_, z_, w_):
+                y = _check_heads.gated_ref(x_, z_, w_, 1e-6, g, nbg, weight_offset=0.5)[0]
+                return float(np.sum(y * dy))
+
+            dx, dz, dw, _, _ = _check_heads.gated_backward_ref(dy, x, z, w, 1e-6, g, nbg,
+                                                                weight_offset=0.5)
+            for got, arg in ((dx, 0), (dz, 1), (dw, 2)):
+                num = np.zeros_like(got)
+                for index in np.ndindex(got.shape):
+                    args = [x.copy(), z.copy(), w.copy()]
+                    args[arg][index] += h
+                    up = loss(*args)
+                    args[arg][index] -= 2 * h
+                    num[index] = (up - loss(*args)) / (2 * h)
+                assert np.allclose(got, num, rtol=1e-6, atol=1e-7), (g, nbg, arg)
+
+
+def test_check_rows_for_heads_and_gates_pass_and_catch_a_wrong_result(monkeypatch, capsys):
+    """``check``'s QK-norm and gated rows in float32 on the CPU pass; an entry point that gets
+    one element of one head wrong fails its row, printed with its shape, and is counted."""
+    import numpy as np
+
+    from rmsnorm_hip import _check_heads, qk
+
+    identity = (lambda a, dtype: (a, None), lambda a, dtype: np.asarray(a))
+    rng = np.random.default_rng(0)
+    assert _check_heads.check(rng, *identity, False, dtypes=("float32",)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line[:10].rstrip() for line in out] == ["qk_ neox", "gated", "gated_bwd"]
+    assert all(line.endswith(" ok") for line in out)
+
+    right = qk.qk_rms_norm_
+
+    def wrong(q, k, *args, **kwargs):
+        right(q, k, *args, **kwargs)
+        if q.shape[-1] == 64:
+            k[-1, -1, 3] *= 1.001
+
+    monkeypatch.setattr(qk, "qk_rms_norm_", wrong)
+    assert _check_heads.check(rng, *identity, False, dtypes=("float32",)) == 2  # full, partial
+    out = capsys.readouterr().out
+    assert "qk_ neox   float32   float32       7x4+1x64" in out
+    assert "qk_ neox   float32   all           6 shapes                      FAIL" in out

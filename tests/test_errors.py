@@ -101,9 +101,17 @@ CASES = [
          r"rms_norm: x row stride must be >= its last dimension 8.*got strides \(0, 1\)"),
     Case("x_overlapping_rows", lambda r: ((strided(f32(r), (M, N), (4, 1)),), {}), ValueError,
          r"rms_norm: x row stride must be >= its last dimension 8.*got strides \(4, 1\)"),
-    Case("x_leading_dims_not_flat", lambda r: ((f32(r, (2, 6, N))[:, :3],), {}), ValueError,
-         r"rms_norm: x leading dimensions must flatten to one row stride, "
-         r"got strides \(48, 8, 1\)"),
+    # rms_norm takes rows at two strides (head rows), not three; the other entry points one
+    Case("x_leading_dims_three_strides", lambda r: ((f32(r, (2, 4, 3, N))[:, :2, :2],), {}),
+         ValueError, r"rms_norm: x leading dimensions must flatten to at most two strides "
+         r"\(tokens, then heads\), got strides \(96, 24, 8, 1\)"),
+    Case("x_head_rows_overlap",
+         lambda r: ((strided(f32(r, (5 * N,)), (2, 2, N), (3 * N, 4, 1)),), {}), ValueError,
+         r"rms_norm: x rows must not overlap .*got strides \(24, 4, 1\)"),
+    Case("fused_x_leading_dims_not_flat",
+         lambda r: ((f32(r, (2, 6, N))[:, :3], f32(r, (2, 3, N))), {}), ValueError,
+         r"fused_add_rms_norm: x leading dimensions must flatten to one row stride, "
+         r"got strides \(48, 8, 1\)", fn=fused_add_rms_norm),
     # weight
     Case("weight_shape_N_plus_1", lambda r: ((f32(r), f32(r, (N + 1,))), {}), ValueError,
          r"rms_norm: weight must have shape \(8,\), got \(9,\)"),

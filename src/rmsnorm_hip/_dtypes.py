@@ -18,7 +18,8 @@ HALF_DTYPES = (FLOAT16, BFLOAT16)
 QUANT_DTYPES = (INT8, FLOAT8_E4M3FN)
 QMAX = {INT8: 127.0, FLOAT8_E4M3FN: 448.0}   # largest level of each quantised dtype
 
-ITEMSIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2, INT8: 1, FLOAT8_E4M3FN: 1}
+ITEMSIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2, INT8: 1, FLOAT8_E4M3FN: 1,
+            "int32": 4, "int64": 8}     # the last two: RoPE positions
 
 # what the kernels are compiled for
 STORAGE = {
@@ -27,6 +28,8 @@ STORAGE = {
     BFLOAT16: np.dtype(np.uint16),
     INT8: np.dtype(np.int8),
     FLOAT8_E4M3FN: np.dtype(np.uint8),
+    "int32": np.dtype(np.int32),     # RoPE positions
+    "int64": np.dtype(np.int64),
 }
 
 # what NumPy callers get back

@@ -45,6 +45,99 @@ def rows(info, fn, arg):
     return m, n, int(row_stride)
 
 
+def _break(shape, strides):
+    """Index of the first leading dim (of those before the last) after which the leading dims
+    stop flattening to one stride, or None."""
+    lead = [(i, d, s) for i, (d, s) in enumerate(zip(shape[:-1], strides[:-1])) if d != 1]
+    for (_, _, s_outer), (i, d_inner, s_inner) in zip(lead[:-1], lead[1:]):
+        if s_outer != s_inner * d_inner:
+            return i
+    return None
+
+
+def row_split(infos):
+    """Where same-shaped arrays' leading dims split into two groups that each flatten to one
+    stride (the first break any of them has), or None when every array is rows at one row
+    stride."""
+    for info in infos:
+        if info is not None and math.prod(info.shape[:-1]) > 0:
+            at = _break(tuple(info.shape), tuple(info.strides))
+            if at is not None:
+                return at
+    return None
+
+
+def head_rows(info, split, fn, arg):
+    """(M, N, (stride, head_stride), H) of an array of rows whose leading dims flatten to two
+    strides: dims [:split] at ``stride``, the H rows of dims [split:-1] at ``head_stride`` (a
+    (T, H, D) view of a QKV buffer: split 1, strides (row, D)).  No two rows may share an
+    element."""
+    shape, strides = tuple(info.shape), tuple(info.strides)
+    n = shape[-1]
+    m = math.prod(shape[:-1])
+    if n == 0:
+        raise ValueError(f"{fn}: {arg} must have a non-empty last dimension, got shape {shape}")
+    if any(not float(s).is_integer() for s in strides):
+        raise ValueError(f"{fn}: {arg} strides must be whole elements, got {strides}")
+    if n > 1 and strides[-1] != 1:
+        raise ValueError(f"{fn}: {arg} must have unit stride in its last dimension, "
+                         f"got stride {strides[-1]} (shape {shape})")
+    groups = []
+    for dims in (range(split), range(split, len(shape) - 1)):
+        lead = [(shape[i], int(strides[i])) for i in dims if shape[i] != 1]
+        for (_, s_outer), (d_inner, s_inner) in zip(lead[:-1], lead[1:]):
+            if s_outer != s_inner * d_inner:
+                raise ValueError(f"{fn}: {arg} leading dimensions must flatten to at most two "
+                                 f"strides (tokens, then heads), got strides {strides} for "
+                                 f"shape {shape}")
+        groups.append((math.prod(d for d, _ in lead), lead[-1][1] if lead else 0))
+    (t, ts), (h, hs) = groups
+    hs = hs if h > 1 else n
+    ts = ts if t > 1 else h * hs
+    (a, na), (b, nb) = sorted([(hs, h), (ts, t)])
+    if (na > 1 and a < n) or (nb > 1 and b < a * (na - 1) + n):
+        raise ValueError(f"{fn}: {arg} rows must not overlap (zero, negative and overlapping "
+                         f"strides are not supported), got strides {strides} for shape {shape}")
+    if m >= 1 << 31:
+        raise ValueError(f"{fn}: {arg} with two row strides may have at most 2**31 - 1 rows, got "
+                         f"shape {shape}")
+    return m, n, (ts, hs), h
+
+
+def heads(info, fn, arg, max_d):
+    """(T, H, D, (token stride, head stride)) of a (..., H, D) array of head rows: unit-stride
+    rows of D elements whose leading dims flatten to T tokens at one stride, heads at another;
+    no two head rows share an element."""
+    shape, strides = tuple(info.shape), tuple(info.strides)
+    if len(shape) < 2:
+        raise ValueError(f"{fn}: {arg} must have shape (..., heads, head_size), got shape {shape}")
+    t, (h, d) = math.prod(shape[:-2]), shape[-2:]
+    if d == 0 or d > max_d:
+        raise ValueError(f"{fn}: {arg} head size (last dimension) must be 1 to {max_d}, got "
+                         f"shape {shape}")
+    if t * h == 0:
+        return t, h, d, (d, d)
+    if any(not float(s).is_integer() for s in strides):
+        raise ValueError(f"{fn}: {arg} strides must be whole elements, got {strides}")
+    if d > 1 and strides[-1] != 1:
+        raise ValueError(f"{fn}: {arg} must have unit stride in its last dimension, got stride "
+                         f"{strides[-1]} (shape {shape})")
+    lead = [(n, s) for n, s in zip(shape[:-2], strides[:-2]) if n != 1]
+    for (_, s_outer), (n_inner, s_inner) in zip(lead[:-1], lead[1:]):
+        if s_outer != s_inner * n_inner:
+            raise ValueError(f"{fn}: {arg} leading dimensions (before heads) must flatten to one "
+                             f"token stride, got strides {strides} for shape {shape}")
+    ts = int(lead[-1][1]) if lead else h * max(int(strides[-2]), d)
+    hs = int(strides[-2]) if h > 1 else d
+    # heads within a token and tokens apart, in either order, must not meet
+    (a, na), (b, nb) = sorted([(hs, h), (ts, t)])
+    if (na > 1 and a < d) or (nb > 1 and b < a * (na - 1) + d):
+        raise ValueError(f"{fn}: {arg} head rows must not overlap (zero, negative and "
+                         f"overlapping strides are not supported), got strides {strides} for "
+                         f"shape {shape}")
+    return t, h, d, (ts, hs)
+
+
 def same_place(info, like, fn, arg):
     """``info`` on x's device; any array library (outputs follow x's)."""
     if (info.device, info.device_index) != (like.device, like.device_index):
@@ -68,16 +161,17 @@ def vector(info, like, n, fn, arg, dtypes):
         raise ValueError(f"{fn}: {arg} must be contiguous, got stride {info.strides[-1]}")
 
 
-def like_x(info, x, fn, arg):
+def like_x(info, x, fn, arg, split=None):
     """An array (dy, residual, dresidual) with x's shape, dtype, device and library; its row
-    stride (rows may be strided like x's)."""
+    stride (rows may be strided like x's), or with a ``split`` (row_split) its (stride,
+    head_stride)."""
     same_place(info, x, fn, arg)
     if info.dtype != x.dtype:
         raise TypeError(f"{fn}: {arg} must have x's dtype {x.dtype}, got {info.dtype}")
     if tuple(info.shape) != tuple(x.shape):
         raise ValueError(f"{fn}: {arg} must have x's shape {tuple(x.shape)}, "
                          f"got {tuple(info.shape)}")
-    return rows(info, fn, arg)[2]
+    return (rows(info, fn, arg) if split is None else head_rows(info, split, fn, arg))[2]
 
 
 def weight_dtypes(x_dtype):
@@ -159,9 +253,10 @@ def reinterpreted(info, reinterpret, fn):
                          f"{info.dtype}")
 
 
-def output(info, like, shape, dtype, fn, arg, writeable=True):
+def output(info, like, shape, dtype, fn, arg, writeable=True, split=None):
     """An ``out=`` array: same shape, dtype, device and library as ``like``; rows may be strided.
-    ``writeable=False`` checks an input that must match ``like`` (residual) the same way."""
+    ``writeable=False`` checks an input that must match ``like`` (residual) the same way.
+    (M, N, row stride), or with a ``split`` (row_split) :func:`head_rows`'s tuple."""
     same_place(info, like, fn, arg)
     if writeable and info.readonly:
         raise ValueError(f"{fn}: {arg} must be writeable, got a read-only array")
@@ -169,7 +264,7 @@ def output(info, like, shape, dtype, fn, arg, writeable=True):
         raise TypeError(f"{fn}: {arg} must have dtype {dtype}, got {info.dtype}")
     if tuple(info.shape) != tuple(shape):
         raise ValueError(f"{fn}: {arg} must have shape {tuple(shape)}, got {tuple(info.shape)}")
-    return rows(info, fn, arg)
+    return rows(info, fn, arg) if split is None else head_rows(info, split, fn, arg)
 
 
 def no_overlap(out, inputs, fn, arg, allow_same=None,
@@ -194,6 +289,10 @@ def _row_bands(info):
     shape, strides, size = tuple(info.shape), tuple(info.strides), max(info.itemsize, 1)
     if not shape or strides[-1] != 1:
         return None
+    # trailing dims that are contiguous make one wider row (a (T, H, D) view of a QKV buffer:
+    # rows of H * D elements)
+    while len(shape) > 1 and (shape[-2] == 1 or strides[-2] == shape[-1]):
+        shape, strides = shape[:-2] + (shape[-2] * shape[-1],), strides[:-2] + (1,)
     m = math.prod(shape[:-1])
     stride = strides[-2] if len(shape) > 1 else 0
     for d in range(len(shape) - 2):   # leading dims must flatten to the one row stride

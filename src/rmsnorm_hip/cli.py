@@ -113,9 +113,10 @@ def _device_arrays(name="cuda"):
             raise ImportError(f"checking the {name} backend needs torch or CuPy for device "
                               f"arrays ({error}): {_ARRAYS_HINT[name]}") from None
 
-        def to_device(a, dtype):
+        def to_device(a, dtype):   # dtype: a name of _dtypes, or "int32" / "int64"
             kw = dtype if dtype in _dtypes.HALF_DTYPES else None
-            return cupy.asarray(np.ascontiguousarray(a).view(_dtypes.STORAGE[dtype])), kw
+            a = np.ascontiguousarray(a)
+            return cupy.asarray(a.view(_dtypes.STORAGE.get(dtype, a.dtype))), kw
 
         def to_host(c, dtype):
             return cupy.asnumpy(c).view(_dtypes.NUMPY[dtype])
@@ -203,6 +204,8 @@ def cmd_check(args):
             print(f"{op:10s} {dtype:9s} {'all':9s} {len(CHECK_SHAPES):>5d} shapes  "
                   f"{'':9s} {'':8s}  {'ok' if not op_failures else 'FAIL'}")
     failures += _check_fused(rng, to_device, to_host, args.verbose)
+    from . import _check_heads
+    failures += _check_heads.check(rng, to_device, to_host, args.verbose, name)
     print("PASS" if not failures else f"FAIL: {failures} case(s)")
     return 1 if failures else 0
 

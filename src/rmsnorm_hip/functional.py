@@ -97,24 +97,34 @@ def _plain_scalars(eps, weight_offset, weight):
 
 def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
     fn = "rms_norm"
-    reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
+    reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn, heads=True)
     _validate.flag(return_rstd, fn, "return_rstd")
     wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
     eps = _validate.eps(eps, fn)
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
     backend = backends.for_array(xi, fn)
 
+    yi = None if out is None else _arrays.describe(out, "out", reinterpret, fn)
+    # rows at two strides (head rows of x or of out): the split of their leading dims
+    split = _validate.row_split([xi, yi])
+    heads = None
+    if split is not None:
+        m, n, (x_stride, x_head_stride), h = _validate.head_rows(xi, split, fn, "x")
+        heads = (h, x_head_stride, n)
+        plan_key = None
     if out is None:
         _, yi = _arrays.empty(xi, xi.shape, xi.dtype)
-        y_stride = n
+        y_stride = n if heads is None else h * n
     else:
-        yi = _arrays.describe(out, "out", reinterpret, fn)
-        _, _, y_stride = _validate.output(yi, xi, xi.shape, xi.dtype, fn, "out")
+        y_stride = _validate.output(yi, xi, xi.shape, xi.dtype, fn, "out", split=split)[2]
+        if heads is not None:
+            y_stride, heads = y_stride[0], (h, x_head_stride, y_stride[1])
         _validate.no_overlap(yi, [("x", xi), ("weight", wi)], fn, "out", allow_same=xi)
     ri = _arrays.empty(xi, (m,), _dtypes.FLOAT32)[1] if return_rstd else None
 
     if m > 0:
-        backend.rms_norm_fwd(xi, wi, yi, ri, m, n, x_stride, y_stride, eps, weight_offset)
+        backend.rms_norm_fwd(xi, wi, yi, ri, m, n, x_stride, y_stride, eps, weight_offset,
+                             heads=heads)
     if plan_key is not None and hasattr(backend, "fwd_runner"):
         if len(_fwd_runners) > _MAX_RUNNERS:  # serving sees many M: keep the cache bounded
             _fwd_runners.clear()
@@ -129,13 +139,16 @@ def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
     return (y, ri.result()) if return_rstd else y
 
 
-def _rows_of_x(x, dtype, fn):
+def _rows_of_x(x, dtype, fn, heads=False):
     """The validation every entry point starts with: (reinterpret, x ArrayInfo, M, N, x row
-    stride)."""
+    stride).  ``heads``: x may be rows at two strides (the caller then takes them from
+    _validate.head_rows; the stride returned is None)."""
     reinterpret = _validate.reinterpret(dtype, fn)
     xi = _arrays.describe(x, "x", reinterpret, fn)
     _validate.activation_dtype(xi, fn, "x")
     _validate.reinterpreted(xi, reinterpret, fn)
+    if heads and _validate.row_split([xi]) is not None:
+        return reinterpret, xi, None, xi.shape[-1], None
     m, n, x_stride = _validate.rows(xi, fn, "x")
     return reinterpret, xi, m, n, x_stride
 
@@ -338,18 +351,29 @@ def rms_norm_backward(dy, x, weight=None, rstd=None, *, weight_offset=0.0, dresi
 def _rms_norm_backward(dy, x, weight, rstd, weight_offset, dresidual, deterministic, eps, dtype,
                        plan_key):
     fn = "rms_norm_backward"
-    reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
+    reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn, heads=True)
     dyi = _arrays.describe(dy, "dy", reinterpret, fn)
-    dy_stride = _validate.like_x(dyi, xi, fn, "dy")
+    dri = None
+    if dresidual is not None:
+        dri = _arrays.describe(dresidual, "dresidual", reinterpret, fn)
+    # rows at two strides (head rows of x, dy or dresidual): the split of their leading dims
+    split = _validate.row_split([xi, dyi, dri])
+    if split is not None:
+        m, n, (x_stride, x_head_stride), h = _validate.head_rows(xi, split, fn, "x")
+        plan_key = None
+    dy_stride = _validate.like_x(dyi, xi, fn, "dy", split)
     wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
     ri = None
     if rstd is not None:
         ri = _arrays.describe(rstd, "rstd", None, fn)
         _validate.vector(ri, xi, m, fn, "rstd", (_dtypes.FLOAT32,))
-    dri, dres_stride = None, n
-    if dresidual is not None:
-        dri = _arrays.describe(dresidual, "dresidual", reinterpret, fn)
-        dres_stride = _validate.like_x(dri, xi, fn, "dresidual")
+    dres_stride = n if split is None else (h * n, n)
+    if dri is not None:
+        dres_stride = _validate.like_x(dri, xi, fn, "dresidual", split)
+    heads = None
+    if split is not None:   # (H, head strides of dy, x, dresidual, dx); dx is contiguous
+        heads = (h, dy_stride[1], x_head_stride, dres_stride[1], n)
+        dy_stride, dres_stride = dy_stride[0], dres_stride[0]
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
     eps = _validate.eps(eps, fn)
     _validate.flag(deterministic, fn, "deterministic")
@@ -359,12 +383,12 @@ def _rms_norm_backward(dy, x, weight, rstd, weight_offset, dresidual, determinis
     dwi = None
     if wi is not None:
         dwi = (_arrays.zeros if m == 0 else _arrays.empty)(xi, (n,), wi.dtype)[1]
-    strides = (dy_stride, x_stride, dres_stride, n)
+    strides = (dy_stride, x_stride, dres_stride, n if heads is None else h * n)
     if m > 0:
         backend.rms_norm_bwd(
             dyi, xi, wi, ri, dri, dxi, dwi, m, n, strides, eps, weight_offset,
             lambda shape: _arrays.empty(xi, shape, _dtypes.FLOAT32)[1],
-            deterministic, _arrays.zero_fill)
+            deterministic, _arrays.zero_fill, heads=heads)
         if plan_key is not None and hasattr(backend, "bwd_runner"):
             if len(_bwd_runners) > _MAX_RUNNERS:
                 _bwd_runners.clear()

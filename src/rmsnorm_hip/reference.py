@@ -101,3 +101,31 @@ def rms_norm_backward_ref(dy, x, weight=None, rstd=None, eps=1e-6, weight_offset
         dx = dx + to_float64(dresidual).reshape(-1, n)
     dweight = None if weight is None else np.sum(dy2 * x_hat, axis=0)
     return dx.reshape(x64.shape), dweight
+
+
+def qk_rms_norm_ref(q, k, q_weight, k_weight, eps=1e-6, weight_offset=0.0, positions=None,
+                    cos_sin_cache=None, rope_style="neox", rotary_dim=None):
+    """``(q_out, k_out)`` of QK-norm: each head row (last dim D) as ``rms_norm_ref`` with its
+    weight, then with ``positions`` and ``cos_sin_cache`` RoPE over the first ``rotary_dim``
+    (default D) elements: c, s = cache[pos, :rot/2], cache[pos, rot/2:]; "neox" rotates the
+    halves (a, b) -> (a c - b s, b c + a s), "gptj" the pairs (2i, 2i + 1) alike."""
+    def one(x, w):
+        x64 = to_float64(x)
+        y, _ = rms_norm_ref(x64, w, eps, weight_offset)
+        y = y.reshape(x64.shape)
+        if positions is None:
+            return y
+        rot = x64.shape[-1] if rotary_dim is None else rotary_dim
+        half = rot // 2
+        pos = np.asarray(to_float64(positions), dtype=np.int64)
+        table = to_float64(cos_sin_cache)[pos.reshape(-1)].reshape(pos.shape + (1, rot))
+        c, s = table[..., :half], table[..., half:]
+        if rope_style == "neox":
+            a, b = y[..., :half].copy(), y[..., half:rot].copy()
+            y[..., :half], y[..., half:rot] = a * c - b * s, b * c + a * s
+        else:
+            a, b = y[..., 0:rot:2].copy(), y[..., 1:rot:2].copy()
+            y[..., 0:rot:2], y[..., 1:rot:2] = a * c - b * s, b * c + a * s
+        return y
+
+    return one(q, q_weight), one(k, k_weight)

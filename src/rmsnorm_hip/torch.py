@@ -22,6 +22,14 @@ The ops (``torch.ops.rmsnorm_hip.<name>``; ``weight?`` is an optional tensor):
   ``[dx, dweight]`` with a weight
 - ``rms_norm_quant(x, weight?, eps, xscale?, residual?, quant_dtype, weight_offset) ->
   [q, yscale]``, or ``[q, yscale, residual_out]`` with a residual
+- ``qk_rms_norm_(q!, k!, q_weight, k_weight, eps, weight_offset, positions?, cos_sin_cache?,
+  rope_style, rotary_dim?) -> ()``: q and k declared mutated
+- ``qk_rms_norm(q, k, q_weight, k_weight, eps, weight_offset, positions?, cos_sin_cache?,
+  rope_style, rotary_dim?) -> (q_out, k_out)``
+- ``rms_norm_gated(x, z, weight?, eps, weight_offset, group_size?, norm_before_gate) ->
+  (y, rstd)``, differentiable (x, z, weight)
+- ``rms_norm_gated_backward(dy, x, z, weight?, rstd, eps, weight_offset, group_size?,
+  norm_before_gate) -> [dx, dz]``, or ``[dx, dz, dweight]`` with a weight
 
 The ``*_fwd`` variants keep rstd for the backward; the wrappers call them only when a gradient is
 needed (grad mode on and an input requiring grad).  Without rstd, the other forward ops' backward
@@ -35,9 +43,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _validate, functional
+from . import _validate, functional, gated, qk
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_quant", "RMSNorm", "replace_rmsnorm"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_quant", "qk_rms_norm_", "qk_rms_norm",
+           "rms_norm_gated", "RMSNorm", "RMSNormGated", "replace_rmsnorm"]
 
 # torch.nn.RMSNorm's eps=None: the epsilon of the float32 opmath type for float32, float16 and
 # bfloat16 inputs alike (not the 16-bit dtype's own epsilon)
@@ -46,14 +55,20 @@ TORCH_DEFAULT_EPS = torch.finfo(torch.float32).eps
 
 # ---- layouts and devices -------------------------------------------------------------------------
 
-def _rows(t, name):
+def _rows(t, name, heads=False):
     """``t`` as the kernels read it: unchanged (no copy) when it is rows of unit-stride elements
-    with one row stride, else a contiguous copy.  Errors are left to functional's validation,
-    which sees the tensor either way."""
+    at one row stride (or with ``heads``, at two: a (T, H, D) view of a QKV buffer), else a
+    contiguous copy.  Errors are left to functional's validation, which sees the tensor either
+    way."""
     if t is None or t.is_contiguous():
         return t
+    info = SimpleNamespace(shape=tuple(t.shape), strides=t.stride(), itemsize=t.element_size())
     try:
-        _validate.rows(SimpleNamespace(shape=tuple(t.shape), strides=t.stride()), "", name)
+        split = _validate.row_split([info]) if heads else None
+        if split is None:
+            _validate.rows(info, "", name)
+        else:
+            _validate.head_rows(info, split, "", name)
     except ValueError:
         return t.contiguous()
     return t
@@ -79,7 +94,7 @@ def _rows_of(shape):
 
 def _forward(x, weight, eps, weight_offset, return_rstd):
     with _on_device(x):
-        return functional.rms_norm(_rows(x, "x"), _vector(weight), eps,
+        return functional.rms_norm(_rows(x, "x", heads=True), _vector(weight), eps,
                                    weight_offset=weight_offset, return_rstd=return_rstd)
 
 
@@ -158,8 +173,9 @@ def _backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Option
                    dresidual: Optional[Tensor], eps: float, weight_offset: float) -> list[Tensor]:
     with _on_device(x):
         dx, dweight = functional.rms_norm_backward(
-            _rows(dy, "dy"), _rows(x, "x"), _vector(weight), _vector(rstd),
-            weight_offset=weight_offset, dresidual=_rows(dresidual, "dresidual"), eps=eps)
+            _rows(dy, "dy", heads=True), _rows(x, "x", heads=True), _vector(weight),
+            _vector(rstd), weight_offset=weight_offset,
+            dresidual=_rows(dresidual, "dresidual", heads=True), eps=eps)
     return [dx] if dweight is None else [dx, dweight]
 
 
@@ -335,6 +351,182 @@ def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quan
     eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
     return tuple(_ops.rms_norm_quant.default(x, weight, eps, xscale, residual, quant_dtype,
                                              weight_offset))
+
+
+def _qk_args(q, k, q_weight, k_weight, eps, weight_offset, positions, cos_sin_cache, rope_style,
+             rotary_dim):
+    return dict(q=q, k=k, q_weight=q_weight, k_weight=k_weight, eps=eps,
+                weight_offset=weight_offset, positions=positions, cos_sin_cache=cos_sin_cache,
+                rope_style=rope_style, rotary_dim=rotary_dim)
+
+
+@torch.library.custom_op("rmsnorm_hip::qk_rms_norm_", mutates_args=("q", "k"))
+def _qk_inplace_op(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                   weight_offset: float, positions: Optional[Tensor],
+                   cos_sin_cache: Optional[Tensor], rope_style: str,
+                   rotary_dim: Optional[int]) -> None:
+    with _on_device(q):
+        qk.qk_rms_norm_(**_qk_args(q, k, q_weight, k_weight, eps, weight_offset, positions,
+                                   cos_sin_cache, rope_style, rotary_dim))
+
+
+@_qk_inplace_op.register_fake
+def _(q, k, q_weight, k_weight, eps, weight_offset, positions, cos_sin_cache, rope_style,
+      rotary_dim):
+    return None
+
+
+@torch.library.custom_op("rmsnorm_hip::qk_rms_norm", mutates_args=())
+def _qk_op(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+           weight_offset: float, positions: Optional[Tensor], cos_sin_cache: Optional[Tensor],
+           rope_style: str, rotary_dim: Optional[int]) -> tuple[Tensor, Tensor]:
+    with _on_device(q):
+        return qk.qk_rms_norm(**_qk_args(q, k, q_weight, k_weight, eps, weight_offset, positions,
+                                         cos_sin_cache, rope_style, rotary_dim))
+
+
+@_qk_op.register_fake
+def _(q, k, q_weight, k_weight, eps, weight_offset, positions, cos_sin_cache, rope_style,
+      rotary_dim):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def qk_rms_norm_(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, positions=None,
+                 cos_sin_cache=None, rope_style="neox", rotary_dim=None):
+    """:func:`rmsnorm_hip.qk_rms_norm_` as a custom op declaring q and k mutated (traceable by
+    torch.compile, capturable in CUDA graphs; not differentiable).  q and k may be views into
+    one QKV tensor.  Returns None."""
+    fn = "qk_rms_norm_"
+    _check_tensors(fn, ("q", "k", "q_weight", "k_weight"), q=q, k=k, q_weight=q_weight,
+                   k_weight=k_weight, positions=positions, cos_sin_cache=cos_sin_cache)
+    if _direct(q):
+        with _on_device(q):
+            qk.qk_rms_norm_(q, k, q_weight, k_weight, eps, weight_offset=weight_offset,
+                            positions=positions, cos_sin_cache=cos_sin_cache,
+                            rope_style=rope_style, rotary_dim=rotary_dim)
+        return None
+    eps, weight_offset = _scalars(fn, eps, weight_offset, True)
+    _ops.qk_rms_norm_.default(q, k, q_weight, k_weight, eps, weight_offset, positions,
+                              cos_sin_cache, rope_style, rotary_dim)
+    return None
+
+
+def qk_rms_norm(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, positions=None,
+                cos_sin_cache=None, rope_style="neox", rotary_dim=None):
+    """:func:`rmsnorm_hip.qk_rms_norm` as a custom op: ``(q_out, k_out)``, contiguous (not
+    differentiable; for QK-norm with autograd, call :func:`rms_norm` on the head views)."""
+    fn = "qk_rms_norm"
+    _check_tensors(fn, ("q", "k", "q_weight", "k_weight"), q=q, k=k, q_weight=q_weight,
+                   k_weight=k_weight, positions=positions, cos_sin_cache=cos_sin_cache)
+    eps, weight_offset = _scalars(fn, eps, weight_offset, True)
+    return tuple(_ops.qk_rms_norm.default(q, k, q_weight, k_weight, eps, weight_offset,
+                                          positions, cos_sin_cache, rope_style, rotary_dim))
+
+
+# ---- gated RMSNorm -------------------------------------------------------------------------------
+
+@torch.library.custom_op("rmsnorm_hip::rms_norm_gated", mutates_args=())
+def _gated_op(x: Tensor, z: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float,
+              group_size: Optional[int], norm_before_gate: bool) -> tuple[Tensor, Tensor]:
+    with _on_device(x):
+        return gated.rms_norm_gated(_contiguous_rows(x), _contiguous_rows(z), _vector(weight), eps,
+                                    group_size=group_size, norm_before_gate=norm_before_gate,
+                                    weight_offset=weight_offset, return_rstd=True)
+
+
+@_gated_op.register_fake
+def _(x, z, weight, eps, weight_offset, group_size, norm_before_gate):
+    m = _rows_of(x.shape)
+    shape = (m,) if group_size is None else (m, x.shape[-1] // group_size)
+    return x.new_empty(x.shape), x.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("rmsnorm_hip::rms_norm_gated_backward", mutates_args=())
+def _gated_backward_op(dy: Tensor, x: Tensor, z: Tensor, weight: Optional[Tensor], rstd: Tensor,
+                       eps: float, weight_offset: float, group_size: Optional[int],
+                       norm_before_gate: bool) -> list[Tensor]:
+    with _on_device(x):
+        dx, dz, dweight = gated.rms_norm_gated_backward(
+            _contiguous_rows(dy), _contiguous_rows(x), _contiguous_rows(z), _vector(weight),
+            _vector(rstd), group_size=group_size, norm_before_gate=norm_before_gate,
+            weight_offset=weight_offset, eps=eps)
+    return [dx, dz] if dweight is None else [dx, dz, dweight]
+
+
+@_gated_backward_op.register_fake
+def _(dy, x, z, weight, rstd, eps, weight_offset, group_size, norm_before_gate):
+    out = [x.new_empty(x.shape), x.new_empty(x.shape)]
+    return out if weight is None else out + [weight.new_empty(weight.shape)]
+
+
+def _setup_gated(ctx, inputs, output):
+    x, z, weight, eps, weight_offset, group_size, norm_before_gate = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, z, weight, output[1])
+    ctx.args = (eps, weight_offset, group_size, norm_before_gate)
+
+
+def _gated_backward(ctx, dy, _):
+    x, z, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        return (None,) * 7
+    dx, dz, *dweight = _ops.rms_norm_gated_backward.default(dy, x, z, weight, rstd, *ctx.args)
+    dweight = dweight[0] if dweight and ctx.needs_input_grad[2] else None
+    return dx, dz, dweight, None, None, None, None
+
+
+_gated_op.register_autograd(_gated_backward, setup_context=_setup_gated)
+
+
+def _contiguous_rows(t):
+    """The gated kernels' rows are at one row stride: anything else is made contiguous."""
+    return _rows(t, "x")
+
+
+def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_gate=False,
+                   weight_offset=0.0):
+    """Differentiable :func:`rmsnorm_hip.rms_norm_gated` (grads for x, z and weight), a custom
+    op (torch.compile, CUDA graphs): Mamba 2's gated RMSNorm, ``norm_before_gate=False`` by
+    default as in Mamba 2's blocks.  Returns y."""
+    fn = "rms_norm_gated"
+    _check_tensors(fn, ("x", "z"), x=x, z=z, weight=weight)
+    eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
+    return _ops.rms_norm_gated.default(x, z, weight, eps, weight_offset, group_size,
+                                       bool(norm_before_gate))[0]
+
+
+class RMSNormGated(torch.nn.Module):
+    """mamba_ssm's ``RMSNormGated`` on the rmsnorm_hip kernels: the same constructor, defaults
+    (``eps=1e-5``, ``norm_before_gate=True``), ``weight`` parameter (ones) and state_dict.
+    ``forward(x, z=None)``: gated by z, or a plain RMSNorm without z (``group_size`` then must
+    be None)."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+        self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        torch.nn.init.ones_(self.weight)
+
+    def forward(self, x, z=None):
+        if z is None:
+            if self.group_size is not None:
+                raise ValueError("RMSNormGated: a grouped norm needs z (group_size="
+                                 f"{self.group_size}), got z=None")
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_gated(x, z, self.weight, self.eps, group_size=self.group_size,
+                              norm_before_gate=self.norm_before_gate)
+
+    def extra_repr(self):
+        return (f"{self.weight.shape[0]}, eps={self.eps}, group_size={self.group_size}, "
+                f"norm_before_gate={self.norm_before_gate}")
 
 
 # ---- modules -------------------------------------------------------------------------------------

@@ -7,7 +7,10 @@ Python::
                  compare=True, progress=True)
     result = run(decode=True)          # the decode mode, below
 
-- ``op``: a key of ``ops.OPS`` (None: ``"fwd"``) or ``"all"`` (``ops.ALL``).
+- ``op``: a key of ``ops.OPS`` (None: ``"fwd"``) or ``"all"`` (``ops.ALL``): fwd, bwd, bwd_dres,
+  fused, fused_inplace, quant, quant_fp8, and (not in "all") qk and qk_rope (QK-norm in place on
+  the q and k views of a QKV buffer, without and with neox RoPE; M = tokens, N = head size),
+  gated and gated_bwd (Mamba 2's gated RMSNorm and its backward).
 - ``shapes``: ``[(M, N) or "MxN", ...]``; None: the target's default cases (``runner.CUDA_CASES``,
   ``runner.CPU_CASES``).
 - ``dtypes``: ``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"``, ``"float32"``/``"fp32"``.
@@ -47,17 +50,18 @@ Method (docs/performance.md has the reasons):
   one sync (median of 3 runs), plus the device time.
 
 Decode mode (``--decode``, decode.py; CUDA only): ops fwd, fused, fused_inplace (ours in place,
-against the out-of-place fused peers), quant and bwd (``--ops``), at M 1, 8, 32, 128, 512 x
-N 2048, 4096, 5120, 8192, bf16.  Checked as above, then four figures per call: ``graph_us``, the
-replay time of 50 calls captured in one CUDA graph / 50 (median of 10 replays, after warm-up on
-the capture stream), what a serving engine's decode step sees; ``us``, the flushed device time
-above; ``warm_us``, the device time with no flush (a one-element marker kernel separates the
-calls in the trace); ``host_us``, 300 eager calls and one sync (median of 5 rounds that take
-the implementations in turn, garbage collection off).  Checks, graph and host figures of all
-cases run before the profiler's first run, which may leave CUPTI attached and add to the
-host cost of every later launch.  Its result has
-``mode`` "decode", ``ops`` and flat ``records`` (``op`` and the four figures in each, None where
-not measured); the tables give best peer / ours per figure.
+against the out-of-place fused peers), quant and bwd by default; any op of ``ops.OPS`` with
+``--ops`` (qk, qk_rope, gated, ...), at M 1, 8, 32, 128, 512 x N 2048, 4096, 5120, 8192 (the
+QK-norm ops: head sizes 64, 128, 256), bf16.  Checked as above, then four figures per call:
+``graph_us``, the replay time of 50 calls captured in one CUDA graph / 50 (median of 10 replays,
+after warm-up on the capture stream), what a serving engine's decode step sees; ``us``, the flushed
+device time above; ``warm_us``, the device time with no flush (a one-element marker kernel
+separates the calls in the trace); ``host_us``, 300 eager calls and one sync (median of 5 rounds
+that take the implementations in turn, garbage collection off).  Checks, graph and host figures of
+all cases run before the profiler's first run, which may leave CUPTI attached and add to the host
+cost of every later launch.  Its result has ``mode`` "decode", ``ops`` and flat ``records`` (``op``
+and the four figures in each, None where not measured); the tables give best peer / ours per
+figure.
 
 Result (the JSON): ``schema``, ``op``, ``target``, ``environment`` (device, versions, date, ...),
 ``method``, ``copy`` (``gbps``), ``records`` (one per case and implementation: ``M``, ``N``,

@@ -29,6 +29,9 @@ from . import ops, runner, table, targets, timing
 DEFAULT_OPS = ("fwd", "fused", "fused_inplace", "quant", "bwd")
 MS = (1, 8, 32, 128, 512)
 NS = (2048, 4096, 5120, 8192)
+# The QK-norm ops' N is the head size (ops.QK_HEADS heads per token): these instead of NS.
+HEAD_SIZES = (64, 128, 256)
+OP_NS = {"qk": HEAD_SIZES, "qk_rope": HEAD_SIZES}
 FIGURES = ("graph_us", "us", "warm_us", "host_us")
 SPIN_UP_CALLS = 2000  # ~0.25 s of 256 MB kernels on an H200
 
@@ -47,11 +50,11 @@ class Counts:
                 raise ValueError(f"decode: {name} must be a positive int, got {value!r}")
 
 
-def cases(shapes=None, dtypes=None):
+def cases(shapes=None, dtypes=None, op=None):
     """(M, N, dtype) in run order: N by N, M rising within each (a model's hidden size, batch
-    sizes); the given shapes in their order."""
+    sizes; `op`'s head sizes for the QK-norm ops, OP_NS); the given shapes in their order."""
     if shapes is None:
-        shapes = [(M, N) for N in NS for M in MS]
+        shapes = [(M, N) for N in OP_NS.get(op, NS) for M in MS]
     dtypes = [runner._dtype_name(d) for d in (dtypes or ["bfloat16"])]
     return tuple((M, N, dtype) for M, N in map(runner._shape, shapes) for dtype in dtypes)
 
@@ -83,7 +86,7 @@ def run(op=None, shapes=None, dtypes=None, json_path=None, compare=True, progres
     """The decode sweep; returns the result dict (see the package docstring).  Raises
     RuntimeError without a CUDA GPU."""
     names = op_names(op)
-    case_list = cases(shapes, dtypes)
+    case_lists = {name: cases(shapes, dtypes, name) for name in names}
     specs = {name: ops.OPS[name] for name in names}
     compare = _per_op_compare(specs, compare)
     if flush not in ("write", "read"):
@@ -94,7 +97,7 @@ def run(op=None, shapes=None, dtypes=None, json_path=None, compare=True, progres
     impls = {name: runner._implementations(spec, "cuda", compare[name])
              for name, spec in specs.items()}
     plan = [(specs[name], case, seed + 100 * index)
-            for name in names for index, case in enumerate(case_list)]
+            for name in names for index, case in enumerate(case_lists[name])]
     result = _new_result(target, specs, flush, counts, host, seed)
     bar = runner._Progress(2 * len(plan), progress)
     try:

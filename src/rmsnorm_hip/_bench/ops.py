@@ -11,13 +11,19 @@ An `Op` holds everything the runner needs to benchmark one entry point against i
 - `tolerance`: `{dtype: largest relative error ||out - ref|| / ||ref|| that passes}`.
 - `in_place`: an implementation may write its inputs, so each is checked on fresh copies
   (`fresh_inputs`); timings run on the case's inputs, whose values then drift (times do not).
+- `copy_inputs`: for an in-place op whose inputs are views into one buffer (qk: q and k of a QKV
+  buffer), how to copy them so that the copies are such views again (default: each array
+  copied on its own, contiguous).
+
+The shapes are `M x N` for every op; for the QK-norm ops M is the number of tokens T and N the
+head size D, with Hq = 32 query and Hk = 8 key heads per token (`QK_HEADS`, Llama-3-8B's).
 
 An op with several outputs returns a tuple from its implementations and its reference; the error is
 the largest over the outputs.
 """
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 from . import peers
 
@@ -37,6 +43,7 @@ class Op:
     peers: Mapping[str, Mapping[str, Callable]]
     tolerance: Mapping[str, float] = field(default_factory=lambda: dict(TOLERANCE))
     in_place: bool = False
+    copy_inputs: Optional[Callable] = None
 
     def max_rel_err(self, target, outputs, reference):
         """Largest relative error over the outputs; NaN (which fails every check) on a mismatch."""
@@ -54,6 +61,8 @@ class Op:
         """args, or copies of its arrays for an op that writes its inputs."""
         if not self.in_place:
             return args
+        if self.copy_inputs is not None:
+            return self.copy_inputs(args)
         return tuple(a.clone() if hasattr(a, "clone") else a.copy() if hasattr(a, "copy") else a
                      for a in args)
 
@@ -176,6 +185,225 @@ _FUSED = Op(
                    "torch": peers.on_host(peers.torch_fused_add_rms_norm)}},
 )
 
+# ---- QK-norm: q (T, Hq, D) and k (T, Hk, D) views into one (T, (Hq + 2 Hk) D) QKV buffer ----
+
+QK_HEADS = (32, 8)          # Hq, Hk: Llama-3-8B's query and key (and value) heads
+ROPE_MAX_POSITION = 4096    # rows of the cos / sin cache; positions are arange(T) % this
+ROPE_BASE = 10000.0
+
+
+def _from_host(target, array):
+    """A NumPy array on the target: itself on the CPU, a torch CUDA tensor on CUDA."""
+    if target.name == "cpu":
+        return array
+    return target.torch.from_numpy(array).to(target.device)
+
+
+def _view(part, shape):
+    """``part`` (a column slice of the QKV buffer) as ``shape`` without a copy."""
+    return part.view(shape) if hasattr(part, "amax") else part.reshape(shape)
+
+
+def _qk_views(qkv, hq, hk):
+    """(q, k) views of a QKV buffer (T, (hq + 2 hk) D): columns [0, hq D) and
+    [hq D, (hq + hk) D)."""
+    t, width = qkv.shape
+    d = width // (hq + 2 * hk)
+    return (_view(qkv[:, :hq * d], (t, hq, d)),
+            _view(qkv[:, hq * d:(hq + hk) * d], (t, hk, d)))
+
+
+def _qk_inputs(target, M, N, dtype, seed):
+    """(q, k, q_weight, k_weight, eps): T = M tokens, head size D = N."""
+    hq, hk = QK_HEADS
+    qkv = target.randn((M, (hq + 2 * hk) * N), dtype, seed)
+    q, k = _qk_views(qkv, hq, hk)
+    return (q, k, target.randn((N,), dtype, seed + 1, mean=1.0, std=0.1),
+            target.randn((N,), dtype, seed + 2, mean=1.0, std=0.1), EPS)
+
+
+def _qk_copy(args):
+    """Fresh copies of the QKV buffer behind q and k, and views into the copy like q and k."""
+    q, k, *rest = args
+    base = q._base if hasattr(q, "amax") else q.base
+    copy = base.clone() if hasattr(base, "clone") else base.copy()
+    return _qk_views(copy, q.shape[1], k.shape[1]) + tuple(rest)
+
+
+def rope_cache(max_position, rotary_dim, base=ROPE_BASE):
+    """vLLM's cos_sin_cache (max_position, rotary_dim), float32: cos then sin of
+    position * inv_freq, inv_freq = base ** -(arange(0, rotary_dim, 2) / rotary_dim)."""
+    import numpy as np
+
+    inv_freq = 1.0 / base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    freqs = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
+    return np.concatenate((np.cos(freqs), np.sin(freqs)), -1).astype(np.float32)
+
+
+def _qk_rope_inputs(target, M, N, dtype, seed):
+    """The qk inputs, then positions (int64 (T,), arange(T) % 4096) and the float32 cache
+    (4096, D) of neox RoPE over the whole head."""
+    import numpy as np
+
+    positions = np.arange(M, dtype=np.int64) % ROPE_MAX_POSITION
+    return _qk_inputs(target, M, N, dtype, seed) + (
+        _from_host(target, positions), _from_host(target, rope_cache(ROPE_MAX_POSITION, N)))
+
+
+def _cat(parts):
+    """Concatenation along the last axis, torch tensors or NumPy arrays."""
+    if hasattr(parts[0], "amax"):
+        import torch
+        return torch.cat(parts, -1)
+    import numpy as np
+    return np.concatenate(parts, -1)
+
+
+def _qk_reference(target, q, k, q_weight, k_weight, eps):
+    """float64 per head row."""
+    return (_rms_norm_reference(target, q, q_weight, eps),
+            _rms_norm_reference(target, k, k_weight, eps))
+
+
+def _qk_rope_reference(target, q, k, q_weight, k_weight, eps, positions, cos_sin_cache):
+    """float64 per head row, then the neox rotation of the halves by the token's position."""
+    half = q.shape[-1] // 2
+    table = target.float64(cos_sin_cache)[positions][:, None, :]      # (T, 1, D)
+    cos, sin = table[..., :half], table[..., half:]
+
+    def rotate(y):
+        y1, y2 = y[..., :half], y[..., half:]
+        return _cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin))
+
+    return tuple(map(rotate, _qk_reference(target, q, k, q_weight, k_weight, eps)))
+
+
+_QK_HEADS_NOTE = (f"T = M tokens of Hq = {QK_HEADS[0]} query and Hk = {QK_HEADS[1]} key heads "
+                  f"of size D = N, q and k views into one (T, (Hq + 2 Hk) D) QKV buffer")
+
+
+def _qk_op(name, rope):
+    cuda_ours = {"ours": peers.ours_qk_rope_inplace if rope else peers.ours_qk_rms_norm_inplace,
+                 "ours_torch": (peers.ours_torch_qk_rope_inplace if rope
+                                else peers.ours_torch_qk_rms_norm_inplace)}
+    if rope:
+        call = ("qk_rms_norm_(q, k, q_weight, k_weight, eps, positions=positions, "
+                "cos_sin_cache=cos_sin_cache, rope_style='neox')")
+        bytes_formula = ("2*M*(Hq+Hk)*N*e + 2*N*e + M*N*4 + M*8 (read and write q and k, read "
+                         "the weights, each token's float32 cos/sin cache row and its int64 "
+                         "position)")
+        peer = {"cuda": {"torch": peers.torch_qk_rope,
+                         "torch_compile": peers.torch_compile_qk_rope},
+                "cpu": {"numpy": peers.numpy_qk_rope,
+                        "torch": peers.on_host(peers.torch_qk_rope)}}
+    else:
+        call = "qk_rms_norm_(q, k, q_weight, k_weight, eps)"
+        bytes_formula = "2*M*(Hq+Hk)*N*e + 2*N*e (read and write q and k, read the weights)"
+        peer = {"cuda": {"torch": peers.torch_qk_rms_norm,
+                         "torch_compile": peers.torch_compile_qk_rms_norm},
+                "cpu": {"numpy": peers.numpy_qk_rms_norm,
+                        "torch": peers.on_host(peers.torch_qk_rms_norm)}}
+    heads = sum(QK_HEADS)
+    rope_bytes = (lambda M, N: M * N * 4 + M * 8) if rope else (lambda M, N: 0)
+    return Op(
+        name=name,
+        summary=f"{call}: QK-norm in place{', then neox RoPE' if rope else ''}; "
+                f"{_QK_HEADS_NOTE}; weights (N,) in x's dtype"
+                + ("; positions int64 (T,) = arange(T) % 4096, cos_sin_cache float32 (4096, D)"
+                   if rope else "")
+                + "; peers: F.rms_norm of q and of k" + (" then the neox rotation in float32"
+                                                         if rope else "") + ", out of place",
+        bytes_formula=bytes_formula.replace("(Hq+Hk)", f"({QK_HEADS[0]}+{QK_HEADS[1]})"),
+        bytes_moved=lambda M, N, e: 2 * M * heads * N * e + 2 * N * e + rope_bytes(M, N),
+        make_inputs=_qk_rope_inputs if rope else _qk_inputs,
+        reference=_qk_rope_reference if rope else _qk_reference,
+        ours={"cuda": cuda_ours, "cpu": {"ours": cuda_ours["ours"]}},
+        peers=peer,
+        in_place=True,
+        copy_inputs=_qk_copy,
+    )
+
+
+# ---- Mamba 2's gated RMSNorm (norm_before_gate=False): y = rms_norm(x * silu(z)) * weight ----
+
+
+def _silu64(z64):
+    """(silu(z), sigmoid(z)) in float64, with operators torch tensors and NumPy arrays share."""
+    sig = 1.0 / (1.0 + math.e ** (-z64))
+    return z64 * sig, sig
+
+
+def _gated_inputs(target, M, N, dtype, seed):
+    x, weight, eps = _rms_norm_inputs(target, M, N, dtype, seed)
+    return x, target.randn((M, N), dtype, seed + 2), weight, eps
+
+
+def _gated_reference(target, x, z, weight, eps):
+    g = target.float64(x) * _silu64(target.float64(z))[0]
+    return g * (_rows(g * g) / g.shape[-1] + eps) ** -0.5 * target.float64(weight)
+
+
+def _gated_bwd_inputs(target, M, N, dtype, seed):
+    """(dy, x, z, weight, rstd): rstd as the forward stores it (float32, from our
+    rms_norm_gated)."""
+    import rmsnorm_hip
+
+    x, z, weight, _ = _gated_inputs(target, M, N, dtype, seed)
+    rstd = rmsnorm_hip.rms_norm_gated(x, z, weight, EPS, return_rstd=True)[1]
+    return target.randn((M, N), dtype, seed + 3), x, z, weight, rstd
+
+
+def _gated_bwd_reference(target, dy, x, z, weight, rstd):
+    """float64 dx, dz and dweight from x and z (rstd recomputed in float64: independent of
+    ours)."""
+    x64, dy64 = target.float64(x), target.float64(dy)
+    silu, sig = _silu64(target.float64(z))
+    g = x64 * silu
+    r = (_rows(g * g) / g.shape[-1] + EPS) ** -0.5
+    g_hat = g * r
+    wdy = dy64 * target.float64(weight)
+    dg = (wdy - g_hat * (_rows(g_hat * wdy) / g.shape[-1])) * r
+    z64 = target.float64(z)
+    return dg * silu, dg * x64 * sig * (1 + z64 * (1 - sig)), (dy64 * g_hat).sum(0)
+
+
+_GATED = Op(
+    name="gated",
+    summary="y = rms_norm_gated(x, z, weight, eps): Mamba 2's gated RMSNorm, norm_before_gate="
+            "False (y = rms_norm(x * silu(z)) * weight), x, z (M, N), weight (N,) in x's dtype; "
+            "peers: mamba_ssm's reference in float32, one rounding",
+    bytes_formula="3*M*N*e + N*e (read x, z and weight, write y)",
+    bytes_moved=lambda M, N, e: 3 * M * N * e + N * e,
+    make_inputs=_gated_inputs,
+    reference=_gated_reference,
+    ours={"cuda": {"ours": peers.ours_rms_norm_gated,
+                   "ours_torch": peers.ours_torch_rms_norm_gated},
+          "cpu": {"ours": peers.ours_rms_norm_gated}},
+    peers={"cuda": {"torch": peers.torch_rms_norm_gated,
+                    "torch_compile": peers.torch_compile_rms_norm_gated},
+           "cpu": {"numpy": peers.numpy_rms_norm_gated,
+                   "torch": peers.on_host(peers.torch_rms_norm_gated)}},
+)
+
+_GATED_BWD = Op(
+    name="gated_bwd",
+    summary="(dx, dz, dweight) = rms_norm_gated_backward(dy, x, z, weight, rstd), "
+            "norm_before_gate=False, x, z (M, N), weight (N,) in x's dtype, rstd float32 (M,) "
+            "from the forward; peers: torch autograd of mamba_ssm's float32 reference (eager), "
+            "its backward written out (torch.compile)",
+    bytes_formula="5*M*N*e + 2*N*e (read dy, x, z, weight; write dx, dz, dweight; rstd not "
+                  "counted)",
+    bytes_moved=lambda M, N, e: 5 * M * N * e + 2 * N * e,
+    make_inputs=_gated_bwd_inputs,
+    reference=_gated_bwd_reference,
+    ours={"cuda": {"ours": peers.ours_rms_norm_gated_backward},
+          "cpu": {"ours": peers.ours_rms_norm_gated_backward}},
+    peers={"cuda": {"torch": peers.torch_rms_norm_gated_backward,
+                    "torch_compile": peers.torch_compile_rms_norm_gated_backward},
+           "cpu": {"numpy": peers.numpy_rms_norm_gated_backward,
+                   "torch": peers.on_host(peers.torch_eager_rms_norm_gated_backward)}},
+)
+
 OPS = {
     "fwd": Op(
         name="fwd",
@@ -247,6 +475,11 @@ OPS = {
     ),
     "quant": _quant_op("quant", "int8"),
     "quant_fp8": _quant_op("quant_fp8", "float8_e4m3fn"),
+    "qk": _qk_op("qk", rope=False),
+    "qk_rope": _qk_op("qk_rope", rope=True),
+    "gated": _GATED,
+    "gated_bwd": _GATED_BWD,
 }
-# `--op all` runs these in order; fused_inplace only when named (`--op`, `--decode`)
+# `--op all` runs these in order; fused_inplace, qk, qk_rope, gated and gated_bwd only when named
+# (`--op`, `--decode --ops`)
 ALL = ("fwd", "bwd", "bwd_dres", "fused", "quant", "quant_fp8")

@@ -17,6 +17,11 @@ from . import ops, table, targets
 # The H200 cases of research/peers-h200.md per op: large, mid and small row counts, one N that is
 # no power of two, and float32.
 _LLM = ((32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192))
+_QK = tuple((M, N, "bfloat16") for M, N in ((32768, 128), (8192, 128), (2048, 128), (8192, 64),
+                                              (8192, 256))) + ((8192, 128, "float32"),)
+_GATED = tuple((M, N, "bfloat16") for M, N in ((32768, 4096), (16384, 8192), (4096, 4096),
+                                               (1024, 8192), (4096, 5120))) + (
+    (4096, 4096, "float32"),)
 CUDA_CASES = {
     "fwd": tuple((M, N, "bfloat16") for M, N in _LLM) + ((4096, 5000, "bfloat16"),
                                                          (4096, 4096, "float32")),
@@ -26,13 +31,22 @@ CUDA_CASES = {
     "fused_inplace": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
     "quant": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
     "quant_fp8": tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192)),
+    # M tokens x head size N (ops.QK_HEADS heads per token): prefill to decode-sized batches,
+    # D = 128 (Llama 3, Qwen 3) and 64 / 256
+    "qk": _QK,
+    "qk_rope": _QK,
+    # Mamba 2: M tokens x d_inner N (2 * d_model: 4096 for 2.7B-class models, 8192, 5120)
+    "gated": _GATED,
+    "gated_bwd": _GATED,
 }
 # Smaller on the CPU, where a call takes milliseconds.
 _CPU_FWD = ((4096, 4096, "bfloat16"), (1024, 4096, "bfloat16"), (256, 8192, "bfloat16"),
             (1000, 5000, "bfloat16"), (1024, 4096, "float32"))
+_CPU_QK = ((1024, 128, "bfloat16"), (256, 256, "bfloat16"), (1024, 128, "float32"))
 CPU_CASES = {"fwd": _CPU_FWD,
              **{op: ((1024, 4096, "bfloat16"), (256, 8192, "bfloat16"), (1024, 4096, "float32"))
-                for op in ops.OPS if op != "fwd"}}
+                for op in ops.OPS if op != "fwd"},
+             "qk": _CPU_QK, "qk_rope": _CPU_QK}
 # Host overhead: decode-sized batches, where launch cost decides; in an `all` run for the ops
 # listed only (the others share their host path).
 HOST_CASES = ((1, 4096, "bfloat16"), (32, 4096, "bfloat16"))
@@ -391,7 +405,10 @@ def _parser():
                     "in a CUDA graph, flushed, warm and host time per call.")
     parser.add_argument("--op", default=None, choices=sorted(ops.OPS) + ["all"],
                         help="fwd (default), bwd, bwd_dres (fused-add backward), fused, "
-                             "fused_inplace, quant (SmoothQuant int8), quant_fp8, or all")
+                             "fused_inplace, quant (SmoothQuant int8), quant_fp8, qk (QK-norm "
+                             "in place: MxN = tokens x head size), qk_rope (QK-norm + neox "
+                             "RoPE), gated (Mamba 2 gated RMSNorm), gated_bwd, or all (fwd, "
+                             "bwd, bwd_dres, fused, quant, quant_fp8)")
     parser.add_argument("--shapes", nargs="+", metavar="MxN",
                         help="MxN, space or comma separated (default: the target's cases)")
     parser.add_argument("--dtypes", nargs="+", metavar="DTYPE",

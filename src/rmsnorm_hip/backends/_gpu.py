@@ -3,7 +3,7 @@ packing its launch (one argument builder per kernel: fwd_args, fused_args, bwd_a
 Subclasses provide ``compile(builder, spec, argtypes)``, ``launch(kernel, grid, block, args,
 stream)``, ``arg(info, dtype)``, ``stream_for(info)`` and ``cache_key``."""
 from .. import _arrays, _cache, _dtypes
-from ..kernels import _config, rmsnorm_bwd, rmsnorm_fwd
+from ..kernels import _config, gated_bwd, qk_norm, rmsnorm_bwd, rmsnorm_fwd
 
 _ALIGN = _config.CHUNK_BYTES
 _ALIGN_MASK = _ALIGN - 1
@@ -22,9 +22,15 @@ def fused_args(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, st
             weight_offset)
 
 
-def bwd_args(dy, x, weight, rstd, dresidual, dx, workspace, m, strides, eps, weight_offset):
-    """The backward's kernel arguments; ``strides``: row strides of (dy, x, dresidual, dx)."""
-    return (dy, x, weight, rstd, dresidual, dx, workspace, m, *strides, eps, weight_offset)
+_ONE_STRIDE = (1, 0, 0, 0, 0)
+
+
+def bwd_args(dy, x, weight, rstd, dresidual, dx, workspace, m, strides, eps, weight_offset,
+             heads=_ONE_STRIDE):
+    """The backward's kernel arguments; ``strides``: row strides of (dy, x, dresidual, dx);
+    ``heads``: (H, head strides of the four) for head rows (BwdSpec.heads)."""
+    return (dy, x, weight, rstd, dresidual, dx, workspace, m, *strides, eps, weight_offset,
+            *heads)
 
 
 class GpuBackend:
@@ -128,7 +134,13 @@ class GpuBackend:
 
         return run
 
-    def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset):
+    def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset,
+                     heads=None):
+        """``heads``: (H, x's head stride, y's head stride) for rows at two strides
+        (FwdSpec.heads: the row strides are then per H rows), or None."""
+        if heads is not None:
+            return self._rms_norm_fwd_heads(x, weight, y, rstd, m, n, x_stride, y_stride, eps,
+                                            weight_offset, heads)
         vector_key, scalar_key = self.fwd_kernels(
             m, n, x.dtype, weight.dtype if weight is not None else "", rstd is not None, x_stride,
             y_stride)
@@ -139,6 +151,42 @@ class GpuBackend:
                         self.arg(y, y.dtype), self.arg(rstd, _dtypes.FLOAT32), m, x_stride,
                         y_stride, eps, weight_offset)
         self.launch(kernel, grid, block, args, self.stream_for(x))
+
+    def _rms_norm_fwd_heads(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps,
+                            weight_offset, heads):
+        h, x_head_stride, y_head_stride = heads
+        wdtype = weight.dtype if weight is not None else ""
+        pointers = x.ptr | y.ptr | (weight.ptr if weight is not None else 0)
+        vector = (self._rows_aligned(n, x.dtype, (x_stride, y_stride, x_head_stride,
+                                                  y_head_stride))
+                  and not pointers & _ALIGN_MASK)
+        spec = _config.fwd_spec(n, x.dtype, wdtype, vector, rstd is not None, vendor=self.vendor,
+                                heads=True)
+        kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
+        args = fwd_args(self.arg(x, x.dtype), self.arg(weight, _dtypes.FLOAT32),
+                        self.arg(y, y.dtype), self.arg(rstd, _dtypes.FLOAT32), m, x_stride,
+                        y_stride, eps, weight_offset) + (h, x_head_stride, y_head_stride)
+        self.launch(kernel, (_config.ceil_div(m, spec.rows), 1, 1),
+                    (spec.layout.threads, spec.rows, 1), args, self.stream_for(x))
+
+    def rms_norm_gated_fwd(self, x, z, weight, y, rstd, m, n, strides, heads, eps,
+                           weight_offset, gate):
+        """Gated rows (FwdSpec.gate "input" / "output") of ``n`` elements: a row's groups when
+        ``heads`` = (H, head strides of x, z, y) has H > 1 (the row strides are then per H
+        rows, and group i takes weight[i * n:]).  ``strides``: row strides of (x, z, y)."""
+        h = heads[0]
+        pointers = x.ptr | z.ptr | y.ptr | (weight.ptr if weight is not None else 0)
+        vector = (self._rows_aligned(n, x.dtype, tuple(strides) + tuple(heads[1:]))
+                  and not pointers & _ALIGN_MASK)
+        spec = _config.fwd_spec(n, x.dtype, weight.dtype if weight is not None else "", vector,
+                                rstd is not None, vendor=self.vendor, heads=h > 1, gate=gate)
+        kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
+        f32 = _dtypes.FLOAT32
+        args = (self.arg(x, x.dtype), self.arg(z, x.dtype), self.arg(weight, f32),
+                self.arg(y, y.dtype), self.arg(rstd, f32), m, *strides, eps, weight_offset,
+                *heads)
+        self.launch(kernel, (_config.ceil_div(m, spec.rows), 1, 1),
+                    (spec.layout.threads, spec.rows, 1), args, self.stream_for(x))
 
     # ---- fused residual add / quantised forward --------------------------------------------
     def rms_norm_fused_fwd(self, x, residual, weight, xscale, y, residual_out, rstd, yscale, m, n,
@@ -226,13 +274,70 @@ class GpuBackend:
 
         return run
 
+    # ---- gated backward ------------------------------------------------------------------------
+    def rms_norm_gated_bwd(self, dy, x, z, weight, rstd, dx, dz, dweight, m, groups, g, strides,
+                           eps, weight_offset, gate, workspace):
+        """dx, dz and dweight of ``m`` rows of ``groups`` gated group rows of ``g`` elements;
+        ``strides``: row strides of (dy, x, z, dx, dz); workspace(shape) -> float32 ArrayInfo."""
+        pointers = 0
+        for info in (dy, x, z, dx, dz, weight):
+            pointers |= info.ptr if info is not None else 0
+        vector = self._rows_aligned(g, x.dtype, strides) and not pointers & _ALIGN_MASK
+        wdtype = weight.dtype if weight is not None else ""
+        spec = _config.gated_bwd_spec(g, x.dtype, wdtype, vector, rstd is None, gate)
+        kernel = self.kernel(gated_bwd.make_gated_bwd, spec, gated_bwd.argtypes(spec))
+        slots = _config.gated_bwd_slots(spec, m, groups, self.sm_count)
+        ws_rows = slots // groups
+        ws = workspace((ws_rows, groups * g))
+        f32 = _dtypes.FLOAT32
+        stream = self.stream_for(x)
+        self.launch(kernel, (slots // spec.rows, 1, 1), (spec.layout.threads, spec.rows, 1),
+                    (self.arg(dy, x.dtype), self.arg(x, x.dtype), self.arg(z, x.dtype),
+                     self.arg(weight, f32), self.arg(rstd, f32), self.arg(dx, x.dtype),
+                     self.arg(dz, x.dtype), self.arg(ws, f32), m, groups, slots, *strides, eps,
+                     weight_offset), stream)
+        if weight is not None:
+            reduce_spec = _config.reduce_spec(wdtype)
+            reduce = self.kernel(rmsnorm_bwd.make_dweight_reduce, reduce_spec,
+                                 rmsnorm_bwd.reduce_argtypes(reduce_spec))
+            n = groups * g
+            columns = reduce_spec.columns
+            self.launch(reduce, ((n + columns - 1) // columns, 1, 1),
+                        (columns, reduce_spec.groups, 1),
+                        (self.arg(ws, f32), self.arg(dweight, wdtype), ws_rows, n), stream)
+
+    # ---- QK-norm -----------------------------------------------------------------------------
+    def qk_norm(self, q, k, q_weight, k_weight, q_out, k_out, positions, cache, geo, eps,
+                weight_offset):
+        """q's and k's head rows normalised (and rotated where ``geo.rope``) in one launch;
+        ``geo``: kernels/qk_norm.Geometry.  q_out / k_out may be q / k."""
+        dtype = q.dtype
+        strides = geo.q + geo.k + geo.q_out + geo.k_out
+        pointers = 0
+        for info in (q, k, q_weight, k_weight, q_out, k_out):
+            pointers |= info.ptr
+        vector = (self._rows_aligned(geo.d, dtype, strides)
+                  and not (pointers | q_weight.ptr | k_weight.ptr) & _ALIGN_MASK)
+        style, cache_dtype, pos_dtype, cache_stride, max_position, rot = geo.rope or (
+            "", "", "", 0, 0, 0)
+        spec = _config.qk_spec(geo.d, dtype, q_weight.dtype, vector, style, cache_dtype,
+                               pos_dtype)
+        kernel = self.kernel(qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
+        grid = (geo.tokens, _config.ceil_div(geo.hq + geo.hk, spec.rows), 1)
+        f32 = _dtypes.FLOAT32
+        args = (self.arg(q, dtype), self.arg(k, dtype), self.arg(q_weight, f32),
+                self.arg(k_weight, f32), self.arg(q_out, dtype), self.arg(k_out, dtype),
+                self.arg(positions, f32), self.arg(cache, f32), geo.tokens, geo.hq, geo.hk,
+                *strides, cache_stride, max_position, rot, eps, weight_offset)
+        self.launch(kernel, grid, (spec.layout.threads, spec.rows, 1), args, self.stream_for(q))
+
     # ---- backward ------------------------------------------------------------------------
     def _bwd_plan(self, key):
         """(spec, kernel, dweight reduction kernel or None, its spec) of a backward call shape
         (_bwd_key), built once: a repeat call only looks it up."""
-        pair, stream, sink = key[-3:]
-        spec = _config.bwd_spec(*key[:-3], vendor=self.vendor, pair=pair, stream=stream,
-                                atomic=sink == "atomic", direct=sink == "direct")
+        pair, stream, sink, heads = key[-4:]
+        spec = _config.bwd_spec(*key[:-4], vendor=self.vendor, pair=pair, stream=stream,
+                                atomic=sink == "atomic", direct=sink == "direct", heads=heads)
         kernel_spec = _config.bwd_kernel_spec(spec)
         kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, kernel_spec,
                              rmsnorm_bwd.argtypes(kernel_spec))
@@ -244,16 +349,19 @@ class GpuBackend:
         plan = self._bwd_plans[key] = (spec, kernel, reduce, reduce_spec)
         return plan
 
-    def _bwd_key(self, key, m, deterministic=True):
+    def _bwd_key(self, key, m, deterministic=True, heads=False):
         """The plan key of a backward call of ``m`` rows: ``key`` (n, dtype, weight dtype,
         vector, recompute rstd, dresidual), whether its rows pair (_config.bwd_pair_rows),
         whether it asks for evict-first row loads (_config.bwd_stream_rows), and where its
         dweight goes: "workspace" (partial rows and the reduction kernel), "direct" (the kernel
         writes it: _config.bwd_direct_dweight) or "atomic" (summed by atomics, not
-        ``deterministic``, where _config.bwd_atomic_dweight says)."""
+        ``deterministic``, where _config.bwd_atomic_dweight says), and whether its rows are at
+        two strides (``heads``: always the workspace)."""
         pair = _config.bwd_pair_rows(m, self.sm_count, self.vendor)
         stream = _config.bwd_stream_rows(m, key[0], key[1], self.vendor)
         sink = "workspace"
+        if heads:
+            return key + (pair, False, sink, True)
         if m == 1 or not deterministic:
             spec = _config.bwd_spec(*key, vendor=self.vendor, pair=pair, stream=stream)
             if _config.bwd_direct_dweight(spec, m):
@@ -262,20 +370,20 @@ class GpuBackend:
                     spec, m, _config.bwd_programs(spec, m, self.sm_count, self.vendor),
                     self.vendor):
                 sink = "atomic"
-        return key + (pair, stream, sink)
+        return key + (pair, stream, sink, False)
 
-    def _bwd_launch_shape(self, key, m, deterministic=True):
+    def _bwd_launch_shape(self, key, m, deterministic=True, heads=False):
         """(kernel, grid, block, dweight reduction kernel or None, its grid, its block,
         workspace rows, where dweight goes (_bwd_key: "atomic" sums into dweight itself,
         zeroed; "atomic" and "direct" take dweight for the workspace and run no reduction)) of
         a backward call of ``m`` rows."""
-        key = self._bwd_key(key, m, deterministic)
+        key = self._bwd_key(key, m, deterministic, heads)
         spec, kernel, reduce, reduce_spec = self._bwd_plans.get(key) or self._bwd_plan(key)
         programs = _config.bwd_programs(spec, m, self.sm_count, self.vendor)
         columns, groups = reduce_spec.columns, reduce_spec.groups
         return (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1), reduce,
                 ((spec.layout.n + columns - 1) // columns, 1, 1), (columns, groups, 1),
-                _config.bwd_ws_rows(spec, programs), key[-1])
+                _config.bwd_ws_rows(spec, programs), key[-2])
 
     def bwd_runner(self, io, shape, m, n, strides, dtype, weight_dtype, has_rstd, has_dres,
                    deterministic=True):
@@ -320,19 +428,22 @@ class GpuBackend:
         return run
 
     def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
-                     weight_offset, workspace, deterministic=True, zero_fill=None):
+                     weight_offset, workspace, deterministic=True, zero_fill=None, heads=None):
         """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo,
         allocated per call on the caller's device (and stream, through its library);
         ``zero_fill(info)`` zeroes one in place (an atomic dweight accumulator: where not
-        ``deterministic``, _config.bwd_atomic_dweight)."""
+        ``deterministic``, _config.bwd_atomic_dweight); ``heads``: (H, head strides of dy, x,
+        dresidual, dx) for rows at two strides (the row strides are then per H rows)."""
         pointers = 0
         for info in (dy, x, dres, dx, weight):
             pointers |= info.ptr if info is not None else 0
-        vector = self._rows_aligned(n, x.dtype, strides) and not pointers & _ALIGN_MASK
+        vector = (self._rows_aligned(n, x.dtype, tuple(strides) + tuple((heads or ())[1:]))
+                  and not pointers & _ALIGN_MASK)
         wdtype = weight.dtype if weight is not None else ""
         (kernel, grid, block, reduce, reduce_grid, reduce_block,
          ws_rows, sink) = self._bwd_launch_shape(
-            (n, x.dtype, wdtype, vector, rstd is None, dres is not None), m, deterministic)
+            (n, x.dtype, wdtype, vector, rstd is None, dres is not None), m, deterministic,
+            heads is not None)
         ws = None
         if weight is not None:
             ws = workspace((ws_rows, n)) if sink == "workspace" else dweight
@@ -343,7 +454,8 @@ class GpuBackend:
         self.launch(kernel, grid, block,
                     bwd_args(self.arg(dy, x.dtype), self.arg(x, x.dtype), self.arg(weight, f32),
                              self.arg(rstd, f32), self.arg(dres, x.dtype), self.arg(dx, x.dtype),
-                             self.arg(ws, f32), m, strides, eps, weight_offset), stream)
+                             self.arg(ws, f32), m, strides, eps, weight_offset,
+                             heads or _ONE_STRIDE), stream)
         if weight is not None and reduce is not None:
             self.launch(reduce, reduce_grid, reduce_block,
                         (self.arg(ws, f32), self.arg(dweight, wdtype), ws_rows, n), stream)

@@ -98,6 +98,14 @@ def rows_view(info, m, n, row_stride):
                                            strides=(row_stride * host.itemsize, host.itemsize))
 
 
+def heads_view(info, t, h, n, stride, head_stride):
+    """(t, h, n) view of host memory: rows at two strides (elements)."""
+    host = info.host
+    size = host.itemsize
+    return np.lib.stride_tricks.as_strided(host, shape=(t, h, n),
+                                           strides=(stride * size, head_stride * size, size))
+
+
 class NumbaDiskCache(NullCache):
     """A numba dispatcher's disk cache (``dispatcher._cache``) keyed by ``key``, the kernel's
     builder and spec, plus the signature and the host CPU numba compiles for."""
@@ -175,15 +183,59 @@ class CpuBackend:
         dispatcher._cache = NumbaDiskCache(key)
         return dispatcher
 
-    def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset):
+    def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset,
+                     heads=None):
+        """``heads``: (H, x's head stride, y's head stride) for rows at two strides (the row
+        strides are then per H rows): run as H calls over the rows of one head each."""
         wdtype = weight.dtype if weight is not None else ""
         fwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_fwd, x.dtype, wdtype)
-        args = (rows_view(x, m, n, x_stride),
-                weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
-                rows_view(y, m, n, y_stride),
-                rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
+        w = weight.host if weight is not None else _dummy(_dtypes.FLOAT32)
+        r = rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32)
+        if heads is None:
+            args = (rows_view(x, m, n, x_stride), w, rows_view(y, m, n, y_stride), r,
+                    np.float32(eps), np.float32(weight_offset), rstd is not None)
+            self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
+            return
+        h, x_head_stride, y_head_stride = heads
+        t = m // h
+        xs = heads_view(x, t, h, n, x_stride, x_head_stride)
+        ys = heads_view(y, t, h, n, y_stride, y_head_stride)
+        for i in range(h):
+            args = (xs[:, i], w, ys[:, i], r[i::h] if rstd is not None else r, np.float32(eps),
+                    np.float32(weight_offset), rstd is not None)
+            self.pool.run(lambda lo, hi: fwd(*args, lo, hi), t, t * n)
+
+    def rms_norm_gated_fwd(self, x, z, weight, y, rstd, m, n, strides, heads, eps,
+                           weight_offset, gate):
+        """See GpuBackend.rms_norm_gated_fwd (same arguments)."""
+        h = heads[0]
+        fwd = self._kernel(cpu_rmsnorm.make_cpu_gated_fwd, x.dtype,
+                           weight.dtype if weight is not None else "", gate)
+        rows = m // h
+        xs, zs, ys = (heads_view(info, rows, h, n, stride, head_stride)
+                      for info, stride, head_stride in zip((x, z, y), strides, heads[1:]))
+        args = (xs, zs, weight.host if weight is not None else _dummy(_dtypes.FLOAT32), ys,
+                rstd.host.reshape(-1) if rstd is not None else _dummy(_dtypes.FLOAT32),
                 np.float32(eps), np.float32(weight_offset), rstd is not None)
-        self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
+        self.pool.run(lambda lo, hi: fwd(*args, lo, hi), rows, m * n)
+
+    def rms_norm_gated_bwd(self, dy, x, z, weight, rstd, dx, dz, dweight, m, groups, g, strides,
+                           eps, weight_offset, gate, workspace):
+        """See GpuBackend.rms_norm_gated_bwd (same arguments).  dweight: partial rows of
+        BWD_GROUPS row groups (a function of M), summed in group order."""
+        wdtype = weight.dtype if weight is not None else ""
+        bwd = self._kernel(cpu_rmsnorm.make_cpu_gated_bwd, x.dtype, wdtype, rstd is None, gate)
+        parts = min(m, cpu_rmsnorm.BWD_GROUPS)
+        partial = workspace((parts, groups * g)).host
+        views = [heads_view(info, m, groups, g, stride, g)
+                 for info, stride in zip((dy, x, z, dx, dz), strides)]
+        dyv, xv, zv, dxv, dzv = views
+        args = (dyv, xv, zv, weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
+                rstd.host.reshape(-1) if rstd is not None else _dummy(_dtypes.FLOAT32), dxv, dzv,
+                partial, np.float32(eps), np.float32(weight_offset))
+        self.pool.run(lambda p0, p1: bwd(*args, p0, p1), parts, m * groups * g)
+        if weight is not None:
+            self._kernel(cpu_rmsnorm.make_dweight_sum, wdtype)(partial, dweight.host)
 
     def rms_norm_fused_fwd(self, x, residual, weight, xscale, y, residual_out, rstd, yscale, m, n,
                            strides, eps, weight_offset, quant=""):
@@ -204,23 +256,57 @@ class CpuBackend:
                 np.float32(eps), np.float32(weight_offset), rstd is not None)
         self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
+    def qk_norm(self, q, k, q_weight, k_weight, q_out, k_out, positions, cache, geo, eps,
+                weight_offset):
+        """See GpuBackend.qk_norm (same arguments)."""
+        style, cache_dtype, _, cache_stride, max_position, rot = geo.rope or ("", "", "", 0, 0, 0)
+        run = self._kernel(cpu_rmsnorm.make_cpu_qk_norm, q.dtype, q_weight.dtype, style,
+                           cache_dtype)
+
+        def heads(info, count, strides):
+            host = info.host
+            return np.lib.stride_tricks.as_strided(
+                host, shape=(geo.tokens, count, geo.d),
+                strides=(strides[0] * host.itemsize, strides[1] * host.itemsize, host.itemsize))
+
+        if geo.rope:
+            table = cache.host
+            table = np.lib.stride_tricks.as_strided(
+                table, shape=(max_position, rot),
+                strides=(cache_stride * table.itemsize, table.itemsize))
+            pos = positions.host.reshape(-1)
+        else:
+            table, pos = _dummy(_dtypes.FLOAT32, 2), np.zeros(1, np.int64)
+        args = (heads(q, geo.hq, geo.q), heads(k, geo.hk, geo.k), q_weight.host, k_weight.host,
+                heads(q_out, geo.hq, geo.q_out), heads(k_out, geo.hk, geo.k_out), pos, table,
+                rot, np.float32(eps), np.float32(weight_offset))
+        self.pool.run(lambda lo, hi: run(*args, lo, hi), geo.tokens,
+                      geo.tokens * (geo.hq + geo.hk) * geo.d)
+
     def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
-                     weight_offset, workspace, deterministic=True, zero_fill=None):
+                     weight_offset, workspace, deterministic=True, zero_fill=None, heads=None):
         """strides: (dy, x, dresidual, dx) row strides; workspace(shape) -> float32 ArrayInfo.
         dweight: partial rows of BWD_GROUPS row groups (a function of M), summed in group order:
-        the same bits whatever the threads."""
+        the same bits whatever the threads.  ``heads``: (H, head strides of dy, x, dresidual,
+        dx) for rows at two strides (the row strides are then per H rows)."""
+        h, *head_strides = heads or (1, n, n, n, n)
+
+        def rows_view(info, stride, head_stride):     # (T, H, N): row i at [i // H, i % H]
+            return heads_view(info, m // h, h, n, stride, head_stride)
+
         dy_stride, x_stride, dres_stride, dx_stride = strides
+        dy_hs, x_hs, dres_hs, dx_hs = head_strides
         wdtype = weight.dtype if weight is not None else ""
         bwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_bwd, x.dtype, wdtype, rstd is None,
                            dres is not None)
         groups = min(m, cpu_rmsnorm.BWD_GROUPS)
         partial = workspace((groups, n)).host
-        args = (rows_view(dy, m, n, dy_stride), rows_view(x, m, n, x_stride),
+        args = (rows_view(dy, dy_stride, dy_hs), rows_view(x, x_stride, x_hs),
                 weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
                 rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
-                rows_view(dres, m, n, dres_stride) if dres is not None
-                else rows_view(x, m, n, x_stride),
-                rows_view(dx, m, n, dx_stride), partial, np.float32(eps),
+                rows_view(dres, dres_stride, dres_hs) if dres is not None
+                else rows_view(x, x_stride, x_hs),
+                rows_view(dx, dx_stride, dx_hs), partial, np.float32(eps),
                 np.float32(weight_offset))
         # the pool splits groups, not rows: a group's partial row is one thread's
         self.pool.run(lambda g0, g1: bwd(*args, g0, g1), groups, m * n)

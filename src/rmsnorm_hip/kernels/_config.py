@@ -9,6 +9,7 @@ sums in the same order.
 Thresholds were measured on an H200 (docs/performance.md, "Record"); the AMD entries keep the
 untuned choice wherever nothing was measured there.
 """
+import math
 from dataclasses import dataclass, replace
 
 from .. import _dtypes
@@ -109,6 +110,13 @@ class FwdSpec:
     offset: bool = True     # weight_offset added to the weight (False: the call's offset is 0)
     stream: bool = False    # persistent grid, the next row's words loaded during this row
     held_weights: bool = False      # streamed rows: gains held in registers
+    # rows of a (..., H, N) array whose leading dims do not flatten to one row stride: row r
+    # starts at (r // H) * stride + (r % H) * head_stride (rms_norm, one-shot rows)
+    heads: bool = False
+    # gated RMSNorm (Mamba 2): "input" normalises h = x * silu(z), "output" multiplies y by
+    # silu(z) (norm_before_gate); with ``heads`` the rows are a row's groups of N columns, each
+    # with its own slice of the weight
+    gate: str = ""
 
     def __post_init__(self):
         if self.xscale and not self.quant:
@@ -119,6 +127,12 @@ class FwdSpec:
             raise ValueError(f"FwdSpec: held_weights needs a streamed spec with a weight or "
                              f"xscale, got stream={self.stream}, weight={self.weight!r}, "
                              f"xscale={self.xscale!r}")
+        if self.gate and (self.fused or self.stream):
+            raise ValueError(f"FwdSpec: gated rows are one-shot rows without the fused "
+                             f"switches, got fused={self.fused}, stream={self.stream}")
+        if self.heads and (self.fused or self.stream):
+            raise ValueError(f"FwdSpec: head rows are rms_norm's one-shot rows, got fused="
+                             f"{self.fused}, stream={self.stream}")
 
     @property
     def fused(self):
@@ -140,7 +154,7 @@ def fwd_stream(vendor, residual, quant, m, sm_count):
 
 
 def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale="",
-             offset=True, stream=False, vendor="cuda"):
+             offset=True, stream=False, vendor="cuda", heads=False, gate=""):
     """The forward kernel a call runs (the dispatcher's only decision for the forward) on a
     ``vendor`` ("cuda" or "hip") GPU.  ``offset=False`` (weight_offset == 0) is a variant of the
     quantised rows only: their issue slots are the bound, and it saves one FADD per element
@@ -156,12 +170,12 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     # quantised kernel over the 64-VGPR gate (48 -> 69 VGPRs, gfx942)
     exact = (vendor == "cuda" and bool(quant) and layout.cached and n % layout.chunk == 0
              and layout.n_chunks == layout.threads * layout.chunks_per_thread)
-    stream = stream and vector and layout.cached
+    stream = stream and vector and layout.cached and not heads and not gate
     held = stream and bool(weight or xscale)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
                    xscale=xscale, exact=exact, offset=offset or not (quant and weight),
-                   stream=stream, held_weights=held)
+                   stream=stream, held_weights=held, heads=heads, gate=gate)
 
 
 def fwd_programs(spec, m, sm_count, resident_per_sm):
@@ -170,6 +184,85 @@ def fwd_programs(spec, m, sm_count, resident_per_sm):
     measured the same or worse on the H200)."""
     blocks = ceil_div(m, spec.rows)
     return max(1, min(blocks, resident_per_sm * sm_count)) if spec.stream else blocks
+
+
+# ---- gated RMSNorm backward ------------------------------------------------------------------
+# a gated backward thread keeps x, z, dy, the weight, g, dx and the dweight partial of its
+# chunks: one chunk a thread up to 512 threads, then more chunks at 512 (as floats, up to
+# BWD_MAX_CACHED_FLOATS each: group rows up to 8192 elements)
+GATED_BWD_MAX_THREADS = 512
+GATED_BWD_MAX_ELEMENTS = 8192   # what that keeps for 16-bit rows (float32: as many)
+GATED_BWD_BLOCKS_PER_SM = 2     # slots of the persistent grid: this many blocks per SM
+
+
+@dataclass(frozen=True)
+class GatedBwdSpec:
+    """Compile-time constants of the gated backward (kernels/gated_bwd.py)."""
+    layout: RowLayout
+    rows: int               # group rows per block
+    dtype: str
+    weight: str             # "" for none
+    vector: bool
+    recompute_rstd: bool
+    gate: str               # "input" | "output" (FwdSpec.gate)
+
+
+def gated_bwd_layout(g, dtype):
+    """The gated backward's layout of a group row of ``g`` elements (None: too long to keep in
+    registers)."""
+    layout = _layout(g, dtype, 1, BWD_MAX_CACHED_FLOATS, GATED_BWD_MAX_THREADS)
+    return layout if layout.cached else None
+
+
+def gated_bwd_spec(g, dtype, weight, vector, recompute_rstd, gate):
+    layout = gated_bwd_layout(g, dtype)
+    return GatedBwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
+                        vector=vector, recompute_rstd=recompute_rstd, gate=gate)
+
+
+def gated_bwd_slots(spec, m, groups, sm_count):
+    """Block slots (group rows walked at once) of a gated backward of ``m`` rows of ``groups``
+    groups: a multiple of both the block's rows and ``groups`` (each slot keeps one group), no
+    more than GATED_BWD_BLOCKS_PER_SM blocks per SM's worth or the rows need.  A function of M,
+    the groups and the device: dweight's summation order."""
+    unit = spec.rows * groups // math.gcd(spec.rows, groups)
+    want = GATED_BWD_BLOCKS_PER_SM * sm_count * spec.rows
+    return unit * max(1, min(ceil_div(m * groups, unit), ceil_div(want, unit)))
+
+
+# ---- QK-norm: attention heads' rows, optionally rotated (RoPE) ----------------------------
+# the longest head row: its neox rotation passes through a block's shared memory (32 KiB)
+QK_MAX_HEAD_SIZE = 8192
+
+
+@dataclass(frozen=True)
+class QkSpec:
+    """Compile-time constants of the QK-norm kernel: q's and k's head rows of D elements in one
+    launch, each normalised as rms_norm's row of N = D (the same layout, so the same bits without
+    RoPE), then rotated where ``rope`` names a style."""
+    layout: RowLayout
+    rows: int               # head rows per block
+    dtype: str              # q / k
+    weight: str             # q_weight / k_weight dtype
+    vector: bool            # 128-bit accesses (every row start and D 16-byte aligned)
+    rope: str = ""          # "" | "neox" | "gptj"
+    cache: str = ""         # cos_sin_cache's dtype (rope)
+    positions: str = ""     # "int32" | "int64" (rope)
+
+    def __post_init__(self):
+        if bool(self.rope) != bool(self.cache and self.positions):
+            raise ValueError(f"QkSpec: rope needs the cache's and the positions' dtypes, got "
+                             f"rope={self.rope!r}, cache={self.cache!r}, "
+                             f"positions={self.positions!r}")
+
+
+def qk_spec(d, dtype, weight, vector, rope="", cache="", positions=""):
+    """The QK-norm kernel of heads of ``d`` elements: rms_norm's row layout for N = d (cached:
+    a head is at most a few chunks a thread), several heads a block."""
+    layout = row_layout(d, dtype)
+    return QkSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
+                  vector=vector, rope=rope, cache=cache if rope else "",
+                  positions=positions if rope else "")
 
 
 # ---- backward ---------------------------------------------------------------------------------
@@ -264,6 +357,14 @@ def bwd_stream_rows(m, n, dtype, vendor="cuda"):
     return bool(BWD_STREAM_LOADS[vendor]) and nbytes <= BWD_STREAM_MAX_BYTES
 
 
+# threads a backward row takes at least.  AMD: rows of one wavefront or less (their reduction
+# all shuffles, no shared memory) were compiled by numba-hip / ROCm LLVM into code objects without
+# their row loop: no global load, only the zeroed dweight partial stored (seen in the gfx942 and
+# gfx950 ISA of every such layout, 16-bit N <= 512 and float32 N <= 256).  Two wavefronts reduce
+# through shared memory and compile whole; the rows' extra lanes hold no chunk
+BWD_MIN_THREADS = {"cuda": 1, "hip": 128}
+
+
 def bwd_row_layout(n, dtype, vendor="cuda"):
     """The backward's per-row layout (a function of N and dtype only on a given vendor's GPUs: dx
     is batch invariant).  Rows too long to cache take BWD_LOOPED_THREADS: at 1024 threads the
@@ -276,6 +377,9 @@ def bwd_row_layout(n, dtype, vendor="cuda"):
         layout = _layout(n, dtype, 2, BWD_MAX_CACHED_FLOATS, 64 * ceil_div(layout.threads, 128))
     if not layout.cached:
         layout = _layout(n, dtype, 1, BWD_MAX_CACHED_FLOATS, BWD_LOOPED_THREADS)
+    if layout.threads < BWD_MIN_THREADS[vendor]:
+        layout = replace(layout, threads=BWD_MIN_THREADS[vendor], chunks_per_thread=1,
+                         cached=True)
     return layout
 
 
@@ -314,15 +418,21 @@ class BwdSpec:
     # rows whose rstd is known before their reduction (prefetch_rstd), unpaired: the dweight
     # partial accumulated in pass 1 and stored with the last row's pass 1 (BWD_EARLY_DWEIGHT)
     early_dweight: bool = False
+    # rows of a (..., H, N) array whose leading dims do not flatten to one row stride: row r
+    # at (r // H) * stride + (r % H) * head_stride (the same programs and rows as the call's
+    # one-stride kernel, so the same dweight bits)
+    heads: bool = False
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True,
-             stream=False, atomic=False, direct=False):
+             stream=False, atomic=False, direct=False, heads=False):
     """The backward kernel of a call shape; ``pair``: rows of the layouts that pair do
     (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call); ``stream``: 16-bit packed vector rows
     load evict-first where the vendor does (BWD_STREAM_LOADS; bwd_stream_rows decides it per
     call; other rows ignore it); ``direct``: the call's grid is one program of one row
-    (bwd_direct_dweight), whose 16-bit dweight the kernel encodes itself."""
+    (bwd_direct_dweight), whose 16-bit dweight the kernel encodes itself; ``heads``: rows at two
+    strides (BwdSpec.heads), which a rows-that-pair call walks as the pair twin does, with
+    neither evict-first loads nor a direct dweight."""
     layout = bwd_row_layout(n, dtype, vendor)
     itemsize = _dtypes.ITEMSIZE[dtype]
     # 16-bit rows of 2 chunks a thread keep their words in the scalar (unaligned) form too: as
@@ -352,22 +462,24 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
     pairable = bool(pair and BWD_PAIRED_ROWS[vendor] and weight and itemsize == 2
                     and layout.cached and layout.chunks_per_thread == 1
                     and 2 * layout.threads == MAX_THREADS and bwd_blocks_per_sm(layout) == 2)
-    paired = pairable and packed
+    paired = pairable and packed and not heads
     prefetch_rstd = prefetch and not recompute_rstd and not dresidual
     return BwdSpec(layout=layout, rows=2 if paired else rows, dtype=dtype, weight=weight,
                    vector=vector, recompute_rstd=recompute_rstd, dresidual=dresidual,
                    packed=packed, prefetch=prefetch,
                    early_dres=packed and dresidual and ahead,
                    prefetch_rstd=prefetch_rstd,
-                   hold_weight=hold_weight, paired=paired, pair_twin=pairable and not packed,
+                   hold_weight=hold_weight, paired=paired,
+                   pair_twin=pairable and (heads or not packed),
                    stream_loads=bool(stream and packed and vector and itemsize == 2
-                                     and BWD_STREAM_LOADS[vendor]),
+                                     and BWD_STREAM_LOADS[vendor] and not heads),
                    atomic_dweight=bool(atomic and not direct and weight == _dtypes.FLOAT32
                                        and layout.cached and vector),
                    direct_dweight=bool(direct and weight in _dtypes.HALF_DTYPES and layout.cached
-                                       and rows == 1 and not paired),
+                                       and rows == 1 and not paired and not heads),
                    early_dweight=bool(prefetch_rstd and weight and not paired and budget > 1
-                                      and BWD_EARLY_DWEIGHT[vendor]))
+                                      and BWD_EARLY_DWEIGHT[vendor]),
+                   heads=heads)
 
 
 def bwd_direct_dweight(spec, m):

@@ -4,7 +4,7 @@ path or kernel shows up here by construction: add its enumeration next to its bu
 from dataclasses import dataclass
 
 from .. import _dtypes
-from . import _config, rmsnorm_bwd, rmsnorm_fwd
+from . import _config, gated_bwd, qk_norm, rmsnorm_bwd, rmsnorm_fwd
 
 # one representative N per forward path (see _config.row_layout): multi-row, scalar-only (ragged),
 # cached single-row at the LLM sizes, and the looped path
@@ -27,6 +27,14 @@ class Variant:
     @property
     def label(self):
         s = self.spec
+        if self.op == "gated_bwd":
+            return (f"gated_bwd:{s.dtype}:w={s.weight or 'none'}:G={s.layout.n}:"
+                    f"{'vec' if s.vector else 'scalar'}:gate={s.gate}:"
+                    f"recompute={int(s.recompute_rstd)}")
+        if self.op == "qk":
+            rope = f"{s.rope}:cache={s.cache}:pos={s.positions}" if s.rope else "none"
+            return (f"qk:{s.dtype}:w={s.weight}:D={s.layout.n}:"
+                    f"{'vec' if s.vector else 'scalar'}:rope={rope}")
         if self.op == "bwd_reduce":
             return f"bwd_reduce:w={s.weight}:groups={s.groups}" + (":pairs" if s.pairs else "")
         layout = s.layout
@@ -46,6 +54,10 @@ class Variant:
                           + ("" if s.offset else ":offset=0"))
             flags += ":stream" if s.stream else ""
             flags += ":held" if s.held_weights else ""
+        if getattr(s, "gate", ""):
+            flags += f":gate={s.gate}"
+        if getattr(s, "heads", False):
+            flags += ":heads"
         return f"{self.op}:{s.dtype}:w={s.weight or 'none'}:N={layout.n}:{path}:{access}:{flags}"
 
     @property
@@ -155,8 +167,83 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
                           rmsnorm_bwd.reduce_argtypes(spec))
 
 
+# rows at two strides (head rows: FwdSpec.heads / BwdSpec.heads) per path: multi-row at a head
+# size, multi-row ragged (scalar only), one cached row per block, looped
+HEADS_REPRESENTATIVE_N = (128, 127, 4096, 65536)
+
+
+def heads_variants(ns=HEADS_REPRESENTATIVE_N, vendor="cuda"):
+    """rms_norm and its backward over head rows: per dtype and path, the vector and scalar forms
+    (a ragged N: scalar only), with the weight dtype, rstd and the backward's switches rotating
+    over them (each variant costs ~1 s of CPU per compiler)."""
+    for dtype in _dtypes.ACTIVATION_DTYPES:
+        weights = _weights(dtype)
+        for i, n in enumerate(ns):
+            layout = _config.row_layout(n, dtype)
+            for j, vector in enumerate([True, False] if n % layout.chunk == 0 else [False]):
+                k = i + j
+                spec = _config.fwd_spec(n, dtype, weights[k % len(weights)], vector, k % 2 == 0,
+                                        vendor=vendor, heads=True)
+                yield Variant("fwd", rmsnorm_fwd.make_rmsnorm_fwd, spec,
+                              rmsnorm_fwd.argtypes(spec))
+                spec = _config.bwd_kernel_spec(_config.bwd_spec(
+                    n, dtype, weights[(k + 1) % len(weights)], vector, k % 2 == 1, k % 3 == 0,
+                    vendor, heads=True))
+                yield Variant("bwd", rmsnorm_bwd.make_rmsnorm_bwd, spec,
+                              rmsnorm_bwd.argtypes(spec))
+
+
+# gated rows (and groups): a Mamba 2 group, multi-row ragged, one cached row, looped (forward)
+GATED_REPRESENTATIVE_N = (128, 127, 4096, 65536)
+
+
+def gated_variants(ns=GATED_REPRESENTATIVE_N, vendor="cuda"):
+    """Gated forward and backward kernels per dtype and path: both gates, grouped and not,
+    the vector and scalar forms, with the weight dtype and rstd rotating over them.  The
+    backward keeps its rows in registers: the looped N has a forward only."""
+    for dtype in _dtypes.ACTIVATION_DTYPES:
+        weights = _weights(dtype)
+        for i, n in enumerate(ns):
+            layout = _config.row_layout(n, dtype)
+            for j, vector in enumerate([True, False] if n % layout.chunk == 0 else [False]):
+                for gate in ("input", "output"):
+                    k = i + j + (gate == "output")
+                    spec = _config.fwd_spec(n, dtype, weights[k % len(weights)], vector,
+                                            k % 2 == 0, vendor=vendor, heads=k % 2 == 1,
+                                            gate=gate)
+                    yield Variant("gated", rmsnorm_fwd.make_rmsnorm_fwd, spec,
+                                  rmsnorm_fwd.argtypes(spec))
+                    if _config.gated_bwd_layout(n, dtype) is not None:
+                        spec = _config.gated_bwd_spec(n, dtype, weights[(k + 1) % len(weights)],
+                                                      vector, k % 2 == 1, gate)
+                        yield Variant("gated_bwd", gated_bwd.make_gated_bwd, spec,
+                                      gated_bwd.argtypes(spec))
+
+
+# QK-norm heads: the common head size, a two-warp float32 row (D = 256: 64 threads), and a
+# head of 80 (ragged against a power of two of threads)
+QK_REPRESENTATIVE_D = (80, 128, 256)
+
+
+def qk_variants(ds=QK_REPRESENTATIVE_D, vendor="cuda"):
+    """Per dtype and head size: no RoPE, neox and gptj, the vector form for the first two and the
+    scalar form for the third, with the weight, cache and positions dtypes rotating over them."""
+    for dtype in _dtypes.ACTIVATION_DTYPES:
+        weights = _weights(dtype)[1:]
+        for i, d in enumerate(ds):
+            for j, rope in enumerate(("", "neox", "gptj")):
+                weight = weights[(i + j) % len(weights)]
+                cache = weights[(i + j + 1) % len(weights)]
+                positions = ("int32", "int64")[(i + j) % 2]
+                spec = _config.qk_spec(d, dtype, weight, j < 2, rope, cache, positions)
+                yield Variant("qk", qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
+
+
 def variants(vendor="cuda"):
     """Every variant a ``vendor`` ("cuda" or "hip") GPU may launch."""
     yield from fwd_variants(vendor=vendor)
     yield from fused_variants(vendor=vendor)
     yield from bwd_variants(vendor=vendor)
+    yield from heads_variants(vendor=vendor)
+    yield from gated_variants(vendor=vendor)
+    yield from qk_variants(vendor=vendor)

@@ -186,7 +186,9 @@ def bwd_group_rows(m, groups, g):
 def make_cpu_rmsnorm_bwd(intr, dtype, weight_dtype, recompute_rstd, has_dres):
     """bwd(dy, x, weight, rstd, dres, dx, partial (G, N) float32, eps, weight_offset, g0, g1):
     dx row by row for the rows of groups g0 to g1, and each group's dweight partial row (the sum
-    of its rows' dy * x_hat; :func:`make_dweight_sum` adds the partial rows in group order)."""
+    of its rows' dy * x_hat; :func:`make_dweight_sum` adds the partial rows in group order).
+    The row-strided arrays are (T, H, N) views, row i at [i // H, i % H] (H = 1 for rows at one
+    stride)."""
     decode, encode, _ = codec(intr, dtype)
     decode_w = codec(intr, weight_dtype or _dtypes.FLOAT32)[0]
     has_weight = bool(weight_dtype)
@@ -203,27 +205,30 @@ def make_cpu_rmsnorm_bwd(intr, dtype, weight_dtype, recompute_rstd, has_dres):
 
     @numba.njit(nogil=True, error_model="numpy")
     def rmsnorm_bwd(dy, x, weight, rstd, dres, dx, partial, eps, weight_offset, g0, g1):
-        m, n = x.shape
+        t, h, n = x.shape
+        m = t * h
         groups = partial.shape[0]
         for g in range(g0, g1):
             for j in range(n):
                 partial[g, j] = float32(0.0)
             for i in range(g * m // groups, (g + 1) * m // groups):
+                xi, dyi, dxi = x[i // h, i % h], dy[i // h, i % h], dx[i // h, i % h]
+                dri = dres[i // h, i % h]
                 if recompute_rstd:
-                    r = float32(1.0) / np.sqrt(row_sumsq(x[i], n) / float32(n) + eps)
+                    r = float32(1.0) / np.sqrt(row_sumsq(xi, n) / float32(n) + eps)
                 else:
                     r = rstd[i]
-                c1 = row_dot(x[i], dy[i], weight, weight_offset, n) * r / float32(n)
+                c1 = row_dot(xi, dyi, weight, weight_offset, n) * r / float32(n)
                 for j in range(n):
-                    d = decode(dy[i, j])
+                    d = decode(dyi[j])
                     wdy = d
                     if has_weight:
                         wdy = d * (decode_w(weight[j]) + weight_offset)
-                    x_hat = decode(x[i, j]) * r
+                    x_hat = decode(xi[j]) * r
                     v = (wdy - x_hat * c1) * r
                     if has_dres:
-                        v = v + decode(dres[i, j])
-                    dx[i, j] = encode(v)
+                        v = v + decode(dri[j])
+                    dxi[j] = encode(v)
                     partial[g, j] += d * x_hat
 
     return rmsnorm_bwd
@@ -244,3 +249,165 @@ def make_dweight_sum(intr, weight_dtype):
             dweight[j] = encode_w(total)
 
     return dweight_sum
+
+
+def make_cpu_qk_norm(intr, dtype, weight_dtype, rope, cache_dtype):
+    """qk(q, k, q_weight, k_weight, q_out, k_out, positions, cache, rot, eps, weight_offset, lo,
+    hi): tokens lo to hi of q (T, Hq, D) and k (T, Hk, D) (any strides), each head row as
+    rms_norm's row, then RoPE (``rope``: "neox" | "gptj" | "") over its first ``rot`` elements
+    in float32 with the GPU kernel's operations (kernels/qk_norm.py), then one rounding.  The row
+    is read whole before it is written, so q_out may be q and k_out k.  Positions are checked by
+    the caller."""
+    decode, encode, _ = codec(intr, dtype)
+    decode_w = codec(intr, weight_dtype)[0]
+    decode_c = codec(intr, cache_dtype or _dtypes.FLOAT32)[0]
+    row_sumsq = make_row_sumsq(intr, dtype)
+    fma = intr.fma
+    neox = rope == "neox"
+
+    @numba.njit(nogil=True, error_model="numpy")
+    def head(src, dst, weight, pos, cache, rot, eps, weight_offset, vals):
+        n = src.shape[0]
+        r = float32(1.0) / np.sqrt(row_sumsq(src, n) / float32(n) + eps)
+        for j in range(n):
+            vals[j] = (decode(src[j]) * r) * (decode_w(weight[j]) + weight_offset)
+        if rope:
+            half = rot // 2
+            if neox:
+                for i in range(half):
+                    c, s = decode_c(cache[pos, i]), decode_c(cache[pos, half + i])
+                    a, b = vals[i], vals[i + half]
+                    vals[i] = fma(a, c, -(b * s))
+                    vals[i + half] = fma(b, c, a * s)
+            else:
+                for i in range(half):
+                    c, s = decode_c(cache[pos, i]), decode_c(cache[pos, half + i])
+                    a, b = vals[2 * i], vals[2 * i + 1]
+                    vals[2 * i] = fma(a, c, -(b * s))
+                    vals[2 * i + 1] = fma(b, c, a * s)
+        for j in range(n):
+            dst[j] = encode(vals[j])
+
+    @numba.njit(nogil=True, error_model="numpy")
+    def qk_norm(q, k, q_weight, k_weight, q_out, k_out, positions, cache, rot, eps,
+                weight_offset, lo, hi):
+        vals = np.empty(q.shape[2], np.float32)
+        for t in range(lo, hi):
+            pos = positions[t] if rope else 0
+            for h in range(q.shape[1]):
+                head(q[t, h], q_out[t, h], q_weight, pos, cache, rot, eps, weight_offset, vals)
+            for h in range(k.shape[1]):
+                head(k[t, h], k_out[t, h], k_weight, pos, cache, rot, eps, weight_offset, vals)
+
+    return qk_norm
+
+
+def make_cpu_gated_fwd(intr, dtype, weight_dtype, gate):
+    """fwd(x, z, weight, y, rstd, eps, weight_offset, store_rstd, lo, hi): rows lo to hi of
+    (M, H, G) views (a row's H groups of G columns; H = 1 without groups), gated RMSNorm in
+    float32 with the GPU kernel's operations: ``gate`` "input" normalises h = x * silu(z),
+    "output" multiplies y by silu(z); group i takes weight[i * G:]; rstd (M * H,)."""
+    decode, encode, _ = codec(intr, dtype)
+    decode_w = codec(intr, weight_dtype or _dtypes.FLOAT32)[0]
+    has_weight, gated_input = bool(weight_dtype), gate == "input"
+
+    @intr.jitable
+    def silu(v):
+        return v / (float32(1.0) + np.exp(-v))
+
+    @intr.jitable
+    def h_of(x, z, j):
+        v = decode(x[j])
+        if gated_input:
+            v = v * silu(decode(z[j]))
+        return v
+
+    @intr.jitable
+    def square(x, z, w, off, j):
+        v = h_of(x, z, j)
+        return v * v
+
+    row_sumsq = make_lane_sum(intr, square)
+
+    @numba.njit(nogil=True, error_model="numpy")
+    def gated_fwd(x, z, weight, y, rstd, eps, weight_offset, store_rstd, lo, hi):
+        groups, g = x.shape[1], x.shape[2]
+        for i in range(lo, hi):
+            for k in range(groups):
+                xr, zr, yr = x[i, k], z[i, k], y[i, k]
+                r = float32(1.0) / np.sqrt(row_sumsq(xr, zr, xr, float32(0.0), g) / float32(g)
+                                           + eps)
+                if store_rstd:
+                    rstd[i * groups + k] = r
+                for j in range(g):
+                    v = h_of(xr, zr, j) * r
+                    if has_weight:
+                        v = v * (decode_w(weight[k * g + j]) + weight_offset)
+                    if not gated_input:
+                        v = v * silu(decode(zr[j]))
+                    yr[j] = encode(v)
+
+    return gated_fwd
+
+
+def make_cpu_gated_bwd(intr, dtype, weight_dtype, recompute_rstd, gate):
+    """bwd(dy, x, z, weight, rstd, dx, dz, partial (P, N) float32, eps, weight_offset, p0, p1):
+    the gated backward (kernels/gated_bwd.py's formulas, in float32) of the full rows of row
+    groups p0 to p1 of (M, H, G) views, each group's dweight partial row over its rows
+    (:func:`make_dweight_sum` adds them in order); rstd (M * H,)."""
+    decode, encode, _ = codec(intr, dtype)
+    decode_w = codec(intr, weight_dtype or _dtypes.FLOAT32)[0]
+    has_weight, gated_input = bool(weight_dtype), gate == "input"
+
+    @numba.njit(nogil=True, error_model="numpy")
+    def gated_bwd(dy, x, z, weight, rstd, dx, dz, partial, eps, weight_offset, p0, p1):
+        m, groups, g = x.shape
+        parts = partial.shape[0]
+        sg = np.empty(g, np.float32)
+        gv = np.empty(g, np.float32)
+        for p in range(p0, p1):
+            for j in range(groups * g):
+                partial[p, j] = float32(0.0)
+            for i in range(p * m // parts, (p + 1) * m // parts):
+                for k in range(groups):
+                    sxg = float32(0.0)
+                    ss = float32(0.0)
+                    for j in range(g):
+                        zv = decode(z[i, k, j])
+                        sg[j] = zv / (float32(1.0) + np.exp(-zv))
+                        v = decode(x[i, k, j]) * sg[j] if gated_input else decode(x[i, k, j])
+                        d = decode(dy[i, k, j])
+                        if not gated_input:
+                            d = d * sg[j]
+                        if has_weight:
+                            d = d * (decode_w(weight[k * g + j]) + weight_offset)
+                        gv[j] = d
+                        sxg += v * d
+                        ss += v * v
+                    if recompute_rstd:
+                        r = float32(1.0) / np.sqrt(ss / float32(g) + eps)
+                    else:
+                        r = rstd[i * groups + k]
+                    c = sxg * r / float32(g)
+                    for j in range(g):
+                        zv = decode(z[i, k, j])
+                        sgm = float32(1.0) / (float32(1.0) + np.exp(-zv))
+                        dsg = sgm * (float32(1.0) + zv * (float32(1.0) - sgm))
+                        xv = decode(x[i, k, j])
+                        d = decode(dy[i, k, j])
+                        w = float32(1.0)
+                        if has_weight:
+                            w = decode_w(weight[k * g + j]) + weight_offset
+                        if gated_input:
+                            h_hat = (xv * sg[j]) * r
+                            dh = (gv[j] - h_hat * c) * r
+                            dx[i, k, j] = encode(dh * sg[j])
+                            dz[i, k, j] = encode((dh * xv) * dsg)
+                            partial[p, k * g + j] += d * h_hat
+                        else:
+                            x_hat = xv * r
+                            dx[i, k, j] = encode((gv[j] - x_hat * c) * r)
+                            dz[i, k, j] = encode((d * (x_hat * w)) * dsg)
+                            partial[p, k * g + j] += (d * sg[j]) * x_hat
+
+    return gated_bwd

@@ -34,7 +34,8 @@ from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_dot, make_chun
 # their row strides, and a call's arguments
 Arrays = namedtuple("Arrays", "dy x weight rstd dres dx ws")
 Offsets = namedtuple("Offsets", "dy x dres dx")
-Call = namedtuple("Call", "arrays strides m eps weight_offset")
+# ``heads`` (H) and ``head_strides`` (Offsets): BwdSpec.heads rows
+Call = namedtuple("Call", "arrays strides m eps weight_offset heads head_strides")
 # a thread's floats: x and dy (a row's chunks, or one chunk when packed or looped), the weight
 # (held, or one chunk), the dweight partial, wdy, dx, dresidual and one decoded chunk of x / dy
 Floats = namedtuple("Floats", "x dy w acc wdy out dres xt dt")
@@ -49,12 +50,14 @@ def _pointer(dtype):
 
 def argtypes(spec: BwdSpec):
     """(dy, x, weight, rstd, dresidual, dx, ws, m, dy_stride, x_stride, dres_stride, dx_stride,
-    eps, weight_offset); ws is dweight where ``spec.direct_dweight``."""
+    eps, weight_offset, heads, dy_head_stride, x_head_stride, dres_head_stride, dx_head_stride);
+    ws is dweight where ``spec.direct_dweight``; the last five are read by BwdSpec.heads kernels
+    only (the row strides are then per H rows)."""
     data, f32 = _pointer(spec.dtype), types.CPointer(types.float32)
     ws = _pointer(spec.weight) if spec.direct_dweight else f32     # ws is dweight then
     return (data, data, _pointer(spec.weight or _dtypes.FLOAT32), f32, data, data, ws,
             types.int64, types.int64, types.int64, types.int64, types.int64, types.float32,
-            types.float32)
+            types.float32) + (types.int64,) * 5
 
 
 def make_rmsnorm_bwd(intr, spec: BwdSpec):
@@ -145,6 +148,22 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         else:
             ws_store_4(ws, start, col0, vals, slot)
 
+    heads = spec.heads
+
+    @jitable
+    def starts(call, row):
+        """Row ``row``'s element offsets in dy, x, dresidual and dx: row * stride, or for
+        head rows (outer * stride + inner * head_stride) with (outer, inner) = divmod(row, H)
+        (a row index fits 32 bits: the host checks M)."""
+        s = call.strides
+        if heads:
+            q = uint32(row) // uint32(call.heads)
+            outer, inner = int64(q), int64(uint32(row) - q * uint32(call.heads))
+            h = call.head_strides
+            return Offsets(outer * s.dy + inner * h.dy, outer * s.x + inner * h.x,
+                           outer * s.dres + inner * h.dres, outer * s.dx + inner * h.dx)
+        return Offsets(row * s.dy, row * s.x, row * s.dres, row * s.dx)
+
     @jitable
     def load_or_zero(ptr, start, col0, live, vals, slot):
         if live and col0 < n:
@@ -165,12 +184,12 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     def load_row_words(call, row, tx, pk):
         """This thread's chunks of row ``row`` of x and dy as loaded words into pk (zeros past
         M)."""
-        a, s = call.arrays, call.strides
+        a, at = call.arrays, starts(call, row)
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if row < call.m and col0 < n:
-                load_words(a.x, row * s.x, col0, pk.x, k * 4)
-                load_words(a.dy, row * s.dy, col0, pk.dy, k * 4)
+                load_words(a.x, at.x, col0, pk.x, k * 4)
+                load_words(a.dy, at.dy, col0, pk.dy, k * 4)
             else:
                 for e in range(4):
                     pk.x[k * 4 + e] = uint32(0)
@@ -241,9 +260,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         """Pass 1 of a row: this thread's shares of sum(x * wdy) and, when rstd is recomputed,
         of sum(x * x).  Packed rows decode their words (loading them here unless prefetched);
         with ``early_dw`` the dweight partial takes the row's dy * x_hat here too."""
-        a, s = call.arrays, call.strides
-        x_start = row * s.x
-        dy_start = row * s.dy
+        a, at = call.arrays, starts(call, row)
+        x_start = at.x
+        dy_start = at.dy
         offset = call.weight_offset
         sxw = sxw_comp = float32(0.0)
         ss = ss_comp = float32(0.0)
@@ -312,12 +331,15 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if live and col0 < n:
-                load_words(call.arrays.dres, row * call.strides.dres, col0, pk.dres, k * 4)
+                load_words(call.arrays.dres, starts(call, row).dres, col0, pk.dres, k * 4)
 
     def rmsnorm_bwd(dy, x, weight, rstd, dres, dx, ws, m, dy_stride, x_stride, dres_stride,
-                    dx_stride, eps, weight_offset):
+                    dx_stride, eps, weight_offset, heads, dy_head_stride, x_head_stride,
+                    dres_head_stride, dx_head_stride):
         call = Call(Arrays(dy, x, weight, rstd, dres, dx, ws),
-                    Offsets(dy_stride, x_stride, dres_stride, dx_stride), m, eps, weight_offset)
+                    Offsets(dy_stride, x_stride, dres_stride, dx_stride), m, eps, weight_offset,
+                    heads, Offsets(dy_head_stride, x_head_stride, dres_head_stride,
+                                   dx_head_stride))
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
         program = int64(gpu.blockIdx.x)
@@ -401,7 +423,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 # the kernel's own arguments, rather than in a function of ``call``: inlined
                 # late, ptxas spilled the float32 N = 16384 rows beyond their allowance
                 z = uint32(zero[0]) if packed else uint32(0)
-                dx_start = row * dx_stride
+                row_at = starts(call, row)
+                dx_start = row_at.dx
                 for k in range(trips):
                     col0 = (tx + k * threads) * chunk
                     if col0 < n:
@@ -410,14 +433,14 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                             words_to_chunk(pk.x, k, z, sc.x)
                             words_to_chunk(pk.dy, k, z, sc.dy)
                         elif not cached:
-                            load(x, row * x_stride, col0, sc.x, 0)
-                            load(dy, row * dy_stride, col0, sc.dy, 0)
+                            load(x, row_at.x, col0, sc.x, 0)
+                            load(dy, row_at.dy, col0, sc.dy, 0)
                         if has_weight and not hold_w:
                             load_w(weight, 0, col0, sc.w, 0)
                         if early_dres:
                             words_to_chunk(pk.dres, k, uint32(0), sc.dres)
                         elif has_dres:
-                            load(dres, row * dres_stride, col0, sc.dres, 0)
+                            load(dres, row_at.dres, col0, sc.dres, 0)
                         vslot = 0 if packed else slot     # where this chunk's x / dy floats are
                         weighted(sc.dy, sc.w, vslot, slot if hold_w else 0, weight_offset,
                                  sc.wdy)

@@ -53,11 +53,12 @@ from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_sumsq, make_qu
 # inlining).  Every use of an array sits under the compile-time switch that says the spec has
 # it: the plain kernel passes None for the fused arrays (numba prunes their uses before typing),
 # the fused kernel null pointers for those a call lacks.
-Arrays = namedtuple("Arrays", "x residual weight xscale y residual_out rstd yscale")
-# element offsets (row strides, or one row's starts) of the row-strided arrays
-Offsets = namedtuple("Offsets", "x residual y residual_out")
-# a call's arguments
-Call = namedtuple("Call", "arrays strides m eps weight_offset")
+Arrays = namedtuple("Arrays", "x residual weight xscale y residual_out rstd yscale z")
+# element offsets (row strides, or one row's starts) of the row-strided arrays; ``weight``: a
+# gated group's first column (0 otherwise)
+Offsets = namedtuple("Offsets", "x residual y residual_out z weight")
+# a call's arguments; ``heads`` (H) and ``head_strides`` (Offsets) for FwdSpec.heads rows
+Call = namedtuple("Call", "arrays strides m eps weight_offset heads head_strides")
 # a thread's scratch: its chunks of the row (h, or t when quantised), of residual, one chunk of
 # weight (or of the quantiser's gain g: load_gain) and of xscale, and the gains a streamed
 # program holds
@@ -67,16 +68,24 @@ Words = namedtuple("Words", "x residual")
 
 
 def argtypes(spec: FwdSpec):
-    """rms_norm's (x, weight, y, rstd, m, x_row_stride, y_row_stride, eps, weight_offset), or for
+    """rms_norm's (x, weight, y, rstd, m, x_row_stride, y_row_stride, eps, weight_offset[, heads,
+    x_head_stride, y_head_stride] (FwdSpec.heads: row strides are then per H rows)); a gated
+    spec's (x, z, weight, y, rstd, m, x_row_stride, z_row_stride, y_row_stride, eps,
+    weight_offset, heads, x_head_stride, z_head_stride, y_head_stride) (heads: the groups of a
+    row, 1 for none); or for
     a fused spec (x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_row_stride,
     residual_row_stride, y_row_stride, residual_out_row_stride, eps, weight_offset); y is q
     (int8 / uint8 bits) when quantised."""
     data = types.CPointer(_numba_storage(spec.dtype))
     weight = types.CPointer(_numba_storage(spec.weight or _dtypes.FLOAT32))
     f32 = types.CPointer(types.float32)
+    if spec.gate:
+        return ((data, data, weight, data, f32) + (types.int64,) * 4
+                + (types.float32, types.float32) + (types.int64,) * 4)
     if not spec.fused:
+        heads = (types.int64,) * 3 if spec.heads else ()    # H, x's and y's head strides
         return (data, weight, data, f32, types.int64, types.int64, types.int64, types.float32,
-                types.float32)
+                types.float32) + heads
     xscale = types.CPointer(_numba_storage(spec.xscale or _dtypes.FLOAT32))
     out = types.CPointer(_numba_storage(spec.quant)) if spec.quant else data
     return ((data, data, weight, xscale, out, data, f32, f32)
@@ -119,7 +128,10 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
     one, two64, tiny = float32(1.0), float32(2.0 ** 64), float32(2.0 ** -126)
     n_red = 2 if quant else 1                   # sum and max: one shared buffer each
-    stream = spec.stream
+    stream, heads = spec.stream, spec.heads
+    gate, grouped = spec.gate, spec.gate and spec.heads    # gated; group rows (own weights)
+    # a chunk's silu(z) sits in sc.rvals (the residual's scratch: a gated row has none)
+    gated_input = gate == "input"
     held = spec.held_weights                    # streamed rows only (FwdSpec)
     has_gain = has_weight or has_xscale
     gains_len = cache_len if held else 1
@@ -143,7 +155,26 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     @jitable
     def row_starts(call, row):
         s = call.strides
-        return Offsets(row * s.x, row * s.residual, row * s.y, row * s.residual_out)
+        if heads:   # rows past M too: a row index fits 32 bits (the host checks M)
+            outer = int64(uint32(row) // uint32(call.heads))
+            inner = row - outer * call.heads
+            h = call.head_strides
+            return Offsets(outer * s.x + inner * h.x, int64(0), outer * s.y + inner * h.y,
+                           int64(0), outer * s.z + inner * h.z,
+                           inner * n if grouped else int64(0))
+        return Offsets(row * s.x, row * s.residual, row * s.y, row * s.residual_out, row * s.z,
+                       int64(0))
+
+    @jitable
+    def gate_chunk(vals, slot, gvals, gslot):
+        """gvals[gslot:] <- silu(z) of a chunk of z; with the input gate vals[slot:] (x) is
+        multiplied by it (h = x * silu(z), float32, not rounded)."""
+        for e in range(chunk):
+            zv = gvals[gslot + e]
+            g = zv / (float32(1.0) + math.exp(-zv))
+            gvals[gslot + e] = g
+            if gated_input:
+                vals[slot + e] = vals[slot + e] * g
 
     @jitable
     def load_h(call, at, col0, sc, slot):
@@ -153,6 +184,9 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         if has_residual:
             load_x(a.residual, at.residual, col0, sc.rvals, 0)
             add_residual(sc.vals, slot, sc.rvals, 0)
+        if gate:    # looped layouts: slot 0, silu(z) in sc.rvals[0:chunk]
+            load_x(a.z, at.z, col0, sc.rvals, slot)
+            gate_chunk(sc.vals, slot, sc.rvals, slot)
 
     @jitable
     def load_row(call, at, live, tx, sc):
@@ -166,11 +200,16 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 load_x(a.x, at.x, col0, vals, k * chunk)
                 if has_residual:
                     load_x(a.residual, at.residual, col0, rvals, k * chunk)
+                if gate:
+                    load_x(a.z, at.z, col0, rvals, k * chunk)
             else:
                 for e in range(chunk):
                     vals[k * chunk + e] = float32(0.0)
-                    if has_residual:
+                    if has_residual or gate:
                         rvals[k * chunk + e] = float32(0.0)
+        if gate:
+            for k in range(per_thread):
+                gate_chunk(vals, k * chunk, rvals, k * chunk)
         if has_residual:
             for k in range(per_thread):
                 col0 = (tx + k * threads) * chunk
@@ -199,22 +238,25 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         return acc
 
     @jitable
-    def scale_chunk(call, col0, r, sc, slot):
+    def scale_chunk(call, at, col0, r, sc, slot):
         """sc.vals[slot:] <- y = h * r * (weight + weight_offset) for one chunk (rows that are
         not quantised, which have no xscale: FwdSpec); with ``held`` the factor is the program's
-        ``sc.gains[slot:]``, the same float32 sum formed once (hold_gains)."""
+        ``sc.gains[slot:]``, the same float32 sum formed once (hold_gains).  The output gate
+        then multiplies by silu(z) (sc.rvals[slot:])."""
         vals, wvals = sc.vals, sc.wvals
         if held:
             for e in range(chunk):
                 vals[slot + e] = (vals[slot + e] * r) * sc.gains[slot + e]
             return
         if has_weight:
-            load_w(call.arrays.weight, 0, col0, wvals, 0)
+            load_w(call.arrays.weight, at.weight, col0, wvals, 0)
         offset = call.weight_offset
         for e in range(chunk):
             v = vals[slot + e] * r
             if has_weight:
                 v = v * (wvals[e] + offset if add_offset else wvals[e])
+            if gate == "output":
+                v = v * sc.rvals[slot + e]
             vals[slot + e] = v
 
     @jitable
@@ -279,7 +321,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 slot = k * chunk if cached else 0
                 if not cached:
                     reload_h(call, at, col0, sc, slot)
-                scale_chunk(call, col0, r, sc, slot)
+                scale_chunk(call, at, col0, r, sc, slot)
                 store_y(call.arrays.y, at.y, col0, sc.vals, slot)
 
     @jitable
@@ -480,15 +522,36 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
 
     def rmsnorm_fwd(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
         # the plain forward has no residual, residual_out, xscale or yscale: None, strides 0
-        run(Call(Arrays(x, None, weight, None, y, None, rstd, None),
-                 Offsets(x_stride, int64(0), y_stride, int64(0)), m, eps, weight_offset))
+        run(Call(Arrays(x, None, weight, None, y, None, rstd, None, None),
+                 Offsets(x_stride, int64(0), y_stride, int64(0), int64(0), int64(0)), m, eps,
+                 weight_offset, int64(1), None))
+
+    def rmsnorm_fwd_heads(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset, heads,
+                          x_head_stride, y_head_stride):
+        run(Call(Arrays(x, None, weight, None, y, None, rstd, None, None),
+                 Offsets(x_stride, int64(0), y_stride, int64(0), int64(0), int64(0)), m, eps,
+                 weight_offset, heads,
+                 Offsets(x_head_stride, int64(0), y_head_stride, int64(0), int64(0), int64(0))))
+
+    def rmsnorm_gated_fwd(x, z, weight, y, rstd, m, x_stride, z_stride, y_stride, eps,
+                          weight_offset, heads, x_head_stride, z_head_stride, y_head_stride):
+        run(Call(Arrays(x, None, weight, None, y, None, rstd, None, z),
+                 Offsets(x_stride, int64(0), y_stride, int64(0), z_stride, int64(0)), m, eps,
+                 weight_offset, heads,
+                 Offsets(x_head_stride, int64(0), y_head_stride, int64(0), z_head_stride,
+                         int64(0))))
 
     def rmsnorm_fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                           r_stride, y_stride, ro_stride, eps, weight_offset):
-        run(Call(Arrays(x, residual, weight, xscale, y, residual_out, rstd, yscale),
-                 Offsets(x_stride, r_stride, y_stride, ro_stride), m, eps, weight_offset))
+        run(Call(Arrays(x, residual, weight, xscale, y, residual_out, rstd, yscale, None),
+                 Offsets(x_stride, r_stride, y_stride, ro_stride, int64(0), int64(0)), m, eps,
+                 weight_offset, int64(1), None))
 
-    return rmsnorm_fused_fwd if spec.fused else rmsnorm_fwd
+    if gate:
+        return rmsnorm_gated_fwd
+    if spec.fused:
+        return rmsnorm_fused_fwd
+    return rmsnorm_fwd_heads if heads else rmsnorm_fwd
 
 
 # every forward kernel waits for the kernel before it (wait_prior_grids) before its first load:

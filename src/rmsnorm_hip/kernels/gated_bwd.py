@@ -1,0 +1,180 @@
+"""Gated RMSNorm backward kernel: dx, dz and the dweight partial rows of ``rms_norm_gated``
+(kernels/rmsnorm_fwd.py, FwdSpec.gate), over a row's groups of G columns.  With s = silu(z),
+s' = sigmoid(z) * (1 + z * (1 - sigmoid(z))) and w = weight + weight_offset, per group row:
+
+  input gate (norm_before_gate=False), h = x * s:
+    g = dy * w,  h_hat = h * rstd,  c = sum(h * g) * rstd / G
+    dh = (g - h_hat * c) * rstd;    dx = dh * s;    dz = dh * x * s';    dweight += dy * h_hat
+  output gate (norm_before_gate=True):
+    e = dy * s,  g = e * w,  x_hat = x * rstd,  c = sum(x * g) * rstd / G
+    dx = (g - x_hat * c) * rstd;    dz = dy * (x_hat * w) * s';    dweight += e * x_hat
+
+rstd is the forward's, or recomputed from h (x for the output gate) with eps.  The grid's
+blocks hold ``rows`` group rows each; block slot q (block * rows + row in block) takes group
+q % H of rows q // H, q // H + S, ... (S = slots / H, the grid sized so that H divides the
+slots), keeps its dweight partial of that group's G columns in registers and stores it to
+workspace row q // H at columns group * G: S partial rows, which kernels/rmsnorm_bwd's dweight
+reduction sums in row order.  A function of M, H and the device only (never of pointers or
+strides), so dweight is deterministic and every row's dx and dz are batch invariant.
+"""
+import math
+from collections import namedtuple
+
+from numba import float32, int64, types
+
+from .. import _dtypes
+from ._config import GatedBwdSpec
+from ._rowops import ChunkIO, make_row_sum, reduce_buffer_shape
+
+# a call's arguments (strides: rows', in elements), and a thread's floats of its chunks
+Arrays = namedtuple("Arrays", "dy x z weight rstd dx dz ws")
+Strides = namedtuple("Strides", "dy x z dx dz")
+Call = namedtuple("Call", "arrays strides m groups eps weight_offset")
+Floats = namedtuple("Floats", "x z dy g w acc out")
+
+
+def argtypes(spec: GatedBwdSpec):
+    """(dy, x, z, weight, rstd, dx, dz, ws, m, groups, slots, dy_stride, x_stride, z_stride,
+    dx_stride, dz_stride, eps, weight_offset): m full rows of ``groups`` group rows each, row
+    strides in elements; rstd (m * groups,), ws (slots / groups, groups * G)."""
+    from numba.np.numpy_support import from_dtype
+    data = types.CPointer(from_dtype(_dtypes.STORAGE[spec.dtype]))
+    weight = types.CPointer(from_dtype(_dtypes.STORAGE[spec.weight or _dtypes.FLOAT32]))
+    f32 = types.CPointer(types.float32)
+    return ((data, data, data, weight, f32, data, data, f32) + (types.int64,) * 8
+            + (types.float32, types.float32))
+
+
+def make_gated_bwd(intr, spec: GatedBwdSpec):
+    layout = spec.layout
+    n, chunk, threads, rows = layout.n, layout.chunk, layout.threads, spec.rows
+    per_thread = layout.chunks_per_thread
+    span = per_thread * chunk
+    has_weight, recompute = bool(spec.weight), spec.recompute_rstd
+    gated_input = spec.gate == "input"
+    gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
+    io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
+    w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
+    # the float32 partial in 16-byte pieces (4 floats; a 16-bit chunk is two)
+    store_ws4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, spec.vector and n % 4 == 0).store
+    load, store, load_w = io.load, io.store, w_io.load
+    row_sum = make_row_sum(intr, threads)
+    red_shape, red_align = reduce_buffer_shape(intr, 2, rows, threads), intr.shared_alignment
+    n_f32 = float32(n)
+
+    @jitable
+    def sigmoid(v):
+        return float32(1.0) / (float32(1.0) + math.exp(-v))
+
+    @jitable
+    def load_chunks(call, outer, inner, live, tx, f):
+        """This thread's chunks of x, z, dy (and the group's weight) of one group row: zeros
+        past the row, or for a row that is not live."""
+        a, s = call.arrays, call.strides
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            slot = k * chunk
+            if live and col0 < n:
+                load(a.x, outer * s.x + inner * n, col0, f.x, slot)
+                load(a.z, outer * s.z + inner * n, col0, f.z, slot)
+                load(a.dy, outer * s.dy + inner * n, col0, f.dy, slot)
+                if has_weight:
+                    load_w(a.weight, inner * n, col0, f.w, slot)
+            else:
+                for e in range(chunk):
+                    f.x[slot + e] = float32(0.0)
+                    f.z[slot + e] = float32(0.0)
+                    f.dy[slot + e] = float32(0.0)
+                    if has_weight:
+                        f.w[slot + e] = float32(0.0)
+
+    @jitable
+    def group_row(call, outer, inner, live, tx, ty, parity, red, f):
+        """One group row: dx and dz stored, the dweight partial (f.acc) accumulated.  Rows that
+        are not live (past M) take part in the block's reductions only."""
+        load_chunks(call, outer, inner, live, tx, f)
+        offset = call.weight_offset
+        sxg = float32(0.0)
+        ss = float32(0.0)
+        for i in range(span):
+            sg = f.z[i] * sigmoid(f.z[i])               # silu(z)
+            v = f.x[i] * sg if gated_input else f.x[i]
+            d = f.dy[i] if gated_input else f.dy[i] * sg
+            g = d * (f.w[i] + offset) if has_weight else d
+            f.g[i] = g
+            sxg = fma(v, g, sxg)
+            if recompute:
+                ss = fma(v, v, ss)
+        sxg = row_sum(sxg, red, parity, ty, tx)
+        row = outer * call.groups + inner
+        if recompute:
+            ss = row_sum(ss, red, parity ^ 1, ty, tx)
+            r = float32(1.0) / math.sqrt(ss / n_f32 + call.eps)
+        else:
+            r = call.arrays.rstd[row] if live else float32(1.0)
+        if not live:
+            return
+        c = sxg * r / n_f32
+        for i in range(span):
+            sgm = sigmoid(f.z[i])
+            sg = f.z[i] * sgm
+            dsg = sgm * (float32(1.0) + f.z[i] * (float32(1.0) - sgm))     # silu'(z)
+            if gated_input:
+                h_hat = (f.x[i] * sg) * r
+                dh = fma(-h_hat, c, f.g[i]) * r
+                f.out[i] = dh * sg                                   # dx
+                f.z[i] = (dh * f.x[i]) * dsg                         # dz
+                f.acc[i] = fma(f.dy[i], h_hat, f.acc[i])
+            else:
+                x_hat = f.x[i] * r
+                w = f.w[i] + offset if has_weight else float32(1.0)
+                f.out[i] = fma(-x_hat, c, f.g[i]) * r
+                f.z[i] = (f.dy[i] * (x_hat * w)) * dsg
+                f.acc[i] = fma(f.dy[i] * sg, x_hat, f.acc[i])
+        a, s = call.arrays, call.strides
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if col0 < n:
+                store(a.dx, outer * s.dx + inner * n, col0, f.out, k * chunk)
+                store(a.dz, outer * s.dz + inner * n, col0, f.z, k * chunk)
+
+    def gated_bwd(dy, x, z, weight, rstd, dx, dz, ws, m, groups, slots, dy_stride, x_stride,
+                  z_stride, dx_stride, dz_stride, eps, weight_offset):
+        call = Call(Arrays(dy, x, z, weight, rstd, dx, dz, ws),
+                    Strides(dy_stride, x_stride, z_stride, dx_stride, dz_stride), m, groups, eps,
+                    weight_offset)
+        if red_align:   # a constant: the other branch is pruned before typing (numba-hip)
+            red = gpu.shared.array(red_shape, float32, alignment=red_align)
+        else:
+            red = gpu.shared.array(red_shape, float32)
+        f = Floats(gpu.local.array(span, float32), gpu.local.array(span, float32),
+                   gpu.local.array(span, float32), gpu.local.array(span, float32),
+                   gpu.local.array(span, float32), gpu.local.array(span, float32),
+                   gpu.local.array(span, float32))
+        tx = gpu.threadIdx.x
+        ty = gpu.threadIdx.y
+        slot = int64(gpu.blockIdx.x) * rows + ty
+        group = slot % groups
+        first = slot // groups          # the slot's first full row, and its partial row
+        step = slots // groups
+        for i in range(span):
+            f.acc[i] = float32(0.0)
+        # every row of a block runs the block's most iterations: they share its barriers
+        lead = int64(gpu.blockIdx.x) * rows // groups
+        most = (m - lead + step - 1) // step
+        # consecutive reductions alternate between the two halves of red (one barrier each):
+        # a row that recomputes rstd runs two, parity then parity ^ 1
+        parity = 0
+        for it in range(most):
+            outer = first + it * step
+            group_row(call, outer, group, outer < m, tx, ty, parity, red, f)
+            if not recompute:
+                parity ^= 1
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            for q in range(0, chunk, 4):
+                if col0 + q < n:
+                    store_ws4(ws, first * (groups * n) + group * n, col0 + q, f.acc,
+                              k * chunk + q)
+
+    return gated_bwd

@@ -1,0 +1,191 @@
+"""QK-norm kernel: the head rows of q (T, Hq, D) and k (T, Hk, D) normalised in one launch, each
+with its own weight, optionally followed by rotary position embedding (RoPE).
+
+    rstd = 1 / sqrt(mean(v**2) + eps)                per head row, float32
+    y    = (v * rstd) * (weight + weight_offset)     float32, not rounded yet
+    RoPE on y[:rot] (float32), with c = cos_sin_cache[pos, i], s = cos_sin_cache[pos, rot/2 + i]:
+      neox (halves, h = rot/2): y[i], y[i + h]    <- y[i] c - y[i + h] s, y[i + h] c + y[i] s
+      gptj (interleaved pairs): y[2i], y[2i + 1] <- y[2i] c - y[2i + 1] s, y[2i + 1] c + y[2i] s
+    out  = round(y)                                  one rounding to q's dtype
+
+A head row is rms_norm's row of N = D: the same layout (kernels/_config.row_layout) and the same
+row pieces, so without RoPE each head's output is bitwise rms_norm's of that row.  The grid is
+(T, head blocks): block (t, b) takes heads b * rows ... of token t, heads below Hq being q's and
+the rest k's, so no row index is ever divided.  Each thread reads its chunks before it writes
+them and the neox partner comes through shared memory, never from the outputs: q_out may be q
+and k_out k (the in-place entry point).  A position outside [0, max_position) reads no cache and
+writes NaN over the token's rotated elements.
+"""
+import math
+from collections import namedtuple
+
+from numba import float32, int64, types
+
+from .. import _dtypes
+from ._config import QkSpec
+from ._rowops import ChunkIO, codec, make_chunk_sumsq, make_row_sum, reduce_buffer_shape
+
+# a call's arguments (strides in elements: _ts per token, _hs per head)
+Args = namedtuple("Args", "q k q_weight k_weight q_out k_out positions cache hq hk q_ts q_hs k_ts "
+                          "k_hs qo_ts qo_hs ko_ts ko_hs cache_stride max_position rot eps "
+                          "weight_offset")
+# a call's shape as the host plans it: strides are (per token, per head) pairs in elements;
+# rope: (style, cache dtype, positions dtype, cache row stride, max_position, rotary_dim) or None
+Geometry = namedtuple("Geometry", "tokens hq hk d q k q_out k_out rope")
+# one head row's arrays and element offsets (q's or k's)
+Head = namedtuple("Head", "src dst weight start out")
+
+_INDEX = {"int32": types.int32, "int64": types.int64}
+
+
+def argtypes(spec: QkSpec):
+    """(q, k, q_weight, k_weight, q_out, k_out, positions, cos_sin_cache, tokens, hq, hk,
+    q_token_stride, q_head_stride, k_token_stride, k_head_stride, q_out_token_stride,
+    q_out_head_stride, k_out_token_stride, k_out_head_stride, cache_row_stride, max_position,
+    rotary_dim, eps, weight_offset); strides in elements."""
+    from numba.np.numpy_support import from_dtype
+    data = types.CPointer(from_dtype(_dtypes.STORAGE[spec.dtype]))
+    weight = types.CPointer(from_dtype(_dtypes.STORAGE[spec.weight]))
+    positions = types.CPointer(_INDEX[spec.positions or "int64"])
+    cache = types.CPointer(from_dtype(_dtypes.STORAGE[spec.cache or _dtypes.FLOAT32]))
+    return ((data, data, weight, weight, data, data, positions, cache)
+            + (types.int64,) * 14 + (types.float32, types.float32))
+
+
+def make_qk_norm(intr, spec: QkSpec):
+    """The QK-norm kernel of ``spec`` over the intrinsics ``intr`` (a Python function to
+    compile)."""
+    layout = spec.layout
+    n, chunk, threads, rows = layout.n, layout.chunk, layout.threads, spec.rows
+    per_thread = layout.chunks_per_thread
+    cache_len = per_thread * chunk
+    rope, neox = spec.rope, spec.rope == "neox"
+    gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
+    x_io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
+    w_io = ChunkIO(intr, spec.weight, chunk, n, spec.vector)
+    decode_cache = codec(intr, spec.cache or _dtypes.FLOAT32)[0]
+    chunk_sumsq = make_chunk_sumsq(intr, chunk)
+    row_sum = make_row_sum(intr, threads)
+    load_x, store_y, load_w = x_io.load, x_io.store, w_io.load
+    red_shape = reduce_buffer_shape(intr, 1, rows, threads)
+    red_align = intr.shared_alignment
+    n_f32 = float32(n)
+    nan = float32(math.nan)
+    # the neox partner of an element is another thread's: rows pass through shared memory
+    swap_shape = (rows, n if neox else 1)
+
+    @jitable
+    def head_of(a, t, h):
+        """Head ``h`` of token ``t``: q's below hq, k's from there."""
+        if h < a.hq:
+            return Head(a.q, a.q_out, a.q_weight, t * a.q_ts + h * a.q_hs,
+                        t * a.qo_ts + h * a.qo_hs)
+        hk = h - a.hq
+        return Head(a.k, a.k_out, a.k_weight, t * a.k_ts + hk * a.k_hs,
+                    t * a.ko_ts + hk * a.ko_hs)
+
+    @jitable
+    def normalise(a, head, live, tx, vals, wvals, red):
+        """vals <- (v * rstd) * (weight + weight_offset) for this thread's chunks (float32,
+        rms_norm's operations in its order)."""
+        acc = float32(0.0)
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if live and col0 < n:
+                load_x(head.src, head.start, col0, vals, k * chunk)
+            else:
+                for e in range(chunk):
+                    vals[k * chunk + e] = float32(0.0)
+        for k in range(per_thread):
+            acc = acc + chunk_sumsq(vals, k * chunk)
+        total = row_sum(acc, red, 0, gpu.threadIdx.y, tx)
+        r = float32(1.0) / math.sqrt(total / n_f32 + a.eps)
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if live and col0 < n:
+                load_w(head.weight, 0, col0, wvals, 0)
+                for e in range(chunk):
+                    vals[k * chunk + e] = (vals[k * chunk + e] * r) * (wvals[e] + a.weight_offset)
+
+    @jitable
+    def cos_sin(a, row, i):
+        c = decode_cache(a.cache[row + i])
+        s = decode_cache(a.cache[row + (a.rot >> 1) + i])
+        return c, s
+
+    @jitable
+    def rotate(a, t, live, tx, vals, swap):
+        """RoPE over this thread's chunks of the first ``rot`` elements (vals float32)."""
+        ty = gpu.threadIdx.y
+        if neox:
+            for k in range(per_thread):
+                col0 = (tx + k * threads) * chunk
+                for e in range(chunk):
+                    if col0 + e < n:
+                        swap[ty, col0 + e] = vals[k * chunk + e]
+            gpu.syncthreads()
+        if not live:
+            return
+        pos = int64(a.positions[t])
+        inside = pos >= 0 and pos < a.max_position
+        row = pos * a.cache_stride
+        half = a.rot >> 1
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if neox:
+                for e in range(chunk):
+                    col = col0 + e
+                    if col < a.rot:
+                        v = vals[k * chunk + e]
+                        if not inside:
+                            vals[k * chunk + e] = nan
+                        elif col < half:
+                            c, s = cos_sin(a, row, col)
+                            vals[k * chunk + e] = fma(v, c, -(swap[ty, col + half] * s))
+                        else:
+                            c, s = cos_sin(a, row, col - half)
+                            vals[k * chunk + e] = fma(v, c, swap[ty, col - half] * s)
+            else:
+                for e in range(0, chunk, 2):
+                    col = col0 + e
+                    if col < a.rot:
+                        even, odd = vals[k * chunk + e], vals[k * chunk + e + 1]
+                        if not inside:
+                            vals[k * chunk + e] = nan
+                            vals[k * chunk + e + 1] = nan
+                        else:
+                            c, s = cos_sin(a, row, col >> 1)
+                            vals[k * chunk + e] = fma(even, c, -(odd * s))
+                            vals[k * chunk + e + 1] = fma(odd, c, even * s)
+
+    @jitable
+    def run(a):
+        if red_align:   # a constant: the other branch is pruned before typing (numba-hip)
+            red = gpu.shared.array(red_shape, float32, alignment=red_align)
+        else:
+            red = gpu.shared.array(red_shape, float32)
+        swap = gpu.shared.array(swap_shape, float32)
+        vals = gpu.local.array(cache_len, float32)
+        wvals = gpu.local.array(chunk, float32)
+        tx = gpu.threadIdx.x
+        t = int64(gpu.blockIdx.x)
+        h = int64(gpu.blockIdx.y) * rows + gpu.threadIdx.y
+        live = h < a.hq + a.hk
+        head = head_of(a, t, h if live else int64(0))
+        normalise(a, head, live, tx, vals, wvals, red)
+        if rope:
+            rotate(a, t, live, tx, vals, swap)
+        if live:
+            for k in range(per_thread):
+                col0 = (tx + k * threads) * chunk
+                if col0 < n:
+                    store_y(head.dst, head.out, col0, vals, k * chunk)
+
+    def qk_norm(q, k, q_weight, k_weight, q_out, k_out, positions, cache, tokens, hq, hk, q_ts,
+                q_hs, k_ts, k_hs, qo_ts, qo_hs, ko_ts, ko_hs, cache_stride, max_position, rot,
+                eps, weight_offset):
+        run(Args(q, k, q_weight, k_weight, q_out, k_out, positions, cache, hq, hk, q_ts, q_hs,
+                 k_ts, k_hs, qo_ts, qo_hs, ko_ts, ko_hs, cache_stride, max_position, rot, eps,
+                 weight_offset))
+
+    return qk_norm
