@@ -149,12 +149,12 @@ def _where(info):
     return "cpu" if info.device == "cpu" else f"{info.device}:{info.device_index}"
 
 
-def vector(info, like, n, fn, arg, dtypes):
+def vector(info, like, n, fn, arg, dtypes, like_name="x"):
     """A (n,) unit-stride parameter vector (weight, xscale) on x's device with one of ``dtypes``."""
     same_place(info, like, fn, arg)
     if info.dtype not in dtypes:
-        raise TypeError(f"{fn}: {arg} must have dtype {' or '.join(dtypes)} for x of dtype "
-                        f"{like.dtype}, got {info.dtype}")
+        raise TypeError(f"{fn}: {arg} must have dtype {' or '.join(dtypes)} for {like_name} of "
+                        f"dtype {like.dtype}, got {info.dtype}")
     if info.shape != (n,):
         raise ValueError(f"{fn}: {arg} must have shape ({n},), got {info.shape}")
     if n > 1 and info.strides[-1] != 1:

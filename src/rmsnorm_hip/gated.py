@@ -2,11 +2,16 @@
 ``silu(z)`` before or after it, optionally over groups of columns.  Validation happens here,
 before any launch; the forward is the shared row kernel (kernels/rmsnorm_fwd.py, FwdSpec.gate),
 the backward kernels/gated_bwd.py."""
+import operator
+
 from . import _arrays, _dtypes, _validate, backends
 from .kernels import _config
 from .functional import _rows_of_x, _vector_arg
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_backward"]
+
+# the longest group (row without groups) rms_norm_gated_backward takes
+BACKWARD_MAX_GROUP = _config.GATED_BWD_MAX_ELEMENTS
 
 
 def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_gate=False,
@@ -58,13 +63,17 @@ def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_
 
 
 def _group_size(value, n, fn):
-    """The columns normalised together: N for None, else a divisor of N."""
+    """The columns normalised together: N for None, else a divisor of N (any integer type)."""
     if value is None:
         return n
-    if type(value) is not int or value < 1 or n % value:
-        raise ValueError(f"{fn}: group_size must be None or an int dividing N = {n}, got "
+    try:
+        size = operator.index(value)
+    except TypeError:
+        size = None
+    if isinstance(value, bool) or size is None or size < 1 or n % size:
+        raise ValueError(f"{fn}: group_size must be None or an integer dividing N = {n}, got "
                          f"{value!r}")
-    return value
+    return size
 
 
 
@@ -91,9 +100,9 @@ def rms_norm_gated_backward(dy, x, z, weight=None, rstd=None, *, group_size=None
     _validate.flag(deterministic, fn, "deterministic")
     g = _group_size(group_size, n, fn)
     groups = n // g
-    if _config.gated_bwd_layout(g, xi.dtype) is None:
+    if g > BACKWARD_MAX_GROUP or _config.gated_bwd_layout(g, xi.dtype) is None:
         raise ValueError(f"{fn}: group_size (N without groups) must be at most "
-                         f"{_config.GATED_BWD_MAX_ELEMENTS} here, got {g}")
+                         f"{BACKWARD_MAX_GROUP} here, got {g}")
     wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
     ri = None
     if rstd is not None:
@@ -121,6 +130,10 @@ def rms_norm_gated_backward(dy, x, z, weight=None, rstd=None, *, group_size=None
 
 
 def _dense(info):
+    """Whether an array's elements are consecutive in C order (empty arrays are, whatever
+    strides NumPy gives them)."""
+    if 0 in tuple(info.shape):
+        return True
     expected = 1
     for d, s in reversed(list(zip(info.shape, info.strides))):
         if d != 1 and s != expected:

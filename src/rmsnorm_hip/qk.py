@@ -49,13 +49,16 @@ def _qk(fn, q, k, q_weight, k_weight, eps, weight_offset, positions, cache, rope
         raise TypeError(f"{fn}: k must have q's dtype {qi.dtype}, got {ki.dtype}")
     _, hk, _, k_strides = _validate.heads(ki, fn, "k", QK_MAX_HEAD_SIZE)
     if tuple(ki.shape[:-2]) != tuple(qi.shape[:-2]) or ki.shape[-1] != d:
-        raise ValueError(f"{fn}: k must have shape {tuple(qi.shape[:-2])} + (heads, {d}) like q, "
-                         f"got {tuple(ki.shape)}")
+        raise ValueError(f"{fn}: q and k must be (..., heads, head_size) with the same leading "
+                         f"(token) shape and head size (a flat (T, H * D) q is q.view(T, H, D)), "
+                         f"got q {tuple(qi.shape)} and k {tuple(ki.shape)}")
     weights = []
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        _validate.required(w, fn, name)
+        if w is None:
+            raise TypeError(f"{fn}: {name} must be an array of shape ({d},), got None")
         info = _arrays.describe(w, name, reinterpret, fn)
-        _validate.vector(info, qi, d, fn, name, _validate.weight_dtypes(qi.dtype))
+        _validate.vector(info, qi, d, fn, name, _validate.weight_dtypes(qi.dtype),
+                         like_name="q")
         weights.append(info)
     qwi, kwi = weights
     if kwi.dtype != qwi.dtype:

@@ -171,12 +171,33 @@ def _(x, weight, eps, xscale, residual, quant_dtype, weight_offset):
 
 def _backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Optional[Tensor],
                    dresidual: Optional[Tensor], eps: float, weight_offset: float) -> list[Tensor]:
+    x = _rows(x, "x", heads=True)
+    dy, dresidual = (_split_like(t, x, name) for t, name in ((dy, "dy"),
+                                                             (dresidual, "dresidual")))
     with _on_device(x):
         dx, dweight = functional.rms_norm_backward(
-            _rows(dy, "dy", heads=True), _rows(x, "x", heads=True), _vector(weight),
-            _vector(rstd), weight_offset=weight_offset,
-            dresidual=_rows(dresidual, "dresidual", heads=True), eps=eps)
+            dy, x, _vector(weight), _vector(rstd), weight_offset=weight_offset,
+            dresidual=dresidual, eps=eps)
     return [dx] if dweight is None else [dx, dweight]
+
+
+def _split_like(t, x, name):
+    """``t`` (dy, dresidual) as the backward reads it beside ``x``: in place when its rows are
+    at two strides that split the leading dims where x's do (or at one stride), else copied."""
+    t = _rows(t, name, heads=True)
+    if t is None or t.is_contiguous():
+        return t
+    infos = [SimpleNamespace(shape=tuple(a.shape), strides=a.stride(), itemsize=a.element_size())
+             for a in (x, t)]
+    split = _validate.row_split(infos)
+    if split is None:
+        return t
+    try:
+        _validate.head_rows(infos[1], split, "", name)
+        _validate.head_rows(infos[0], split, "", "x")
+    except ValueError:
+        return t.contiguous()
+    return t
 
 
 _backward_op = torch.library.custom_op("rmsnorm_hip::rms_norm_backward",
@@ -391,6 +412,23 @@ def _(q, k, q_weight, k_weight, eps, weight_offset, positions, cos_sin_cache, ro
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
+def _setup_qk(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)    # no backward: the outputs carry no gradient
+
+
+_qk_op.register_autograd(lambda ctx, *grads: (None,) * 10, setup_context=_setup_qk)
+
+
+def _refuse_grad(fn, q, k):
+    """QK-norm has no backward: an in-place call on tensors autograd tracks would leave their
+    gradients silently wrong, so it is refused (training: rms_norm on the head views)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        raise ValueError(f"{fn}: q and k must not require grad (QK-norm has no backward; "
+                         f"for training call rmsnorm_hip.torch.rms_norm on the head views, or "
+                         f"run under torch.no_grad()), got q.requires_grad={q.requires_grad}, "
+                         f"k.requires_grad={k.requires_grad}")
+
+
 def qk_rms_norm_(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, positions=None,
                  cos_sin_cache=None, rope_style="neox", rotary_dim=None):
     """:func:`rmsnorm_hip.qk_rms_norm_` as a custom op declaring q and k mutated (traceable by
@@ -399,6 +437,7 @@ def qk_rms_norm_(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, posit
     fn = "qk_rms_norm_"
     _check_tensors(fn, ("q", "k", "q_weight", "k_weight"), q=q, k=k, q_weight=q_weight,
                    k_weight=k_weight, positions=positions, cos_sin_cache=cos_sin_cache)
+    _refuse_grad(fn, q, k)
     if _direct(q):
         with _on_device(q):
             qk.qk_rms_norm_(q, k, q_weight, k_weight, eps, weight_offset=weight_offset,
@@ -488,9 +527,16 @@ def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_
                    weight_offset=0.0):
     """Differentiable :func:`rmsnorm_hip.rms_norm_gated` (grads for x, z and weight), a custom
     op (torch.compile, CUDA graphs): Mamba 2's gated RMSNorm, ``norm_before_gate=False`` by
-    default as in Mamba 2's blocks.  Returns y."""
+    default as in Mamba 2's blocks.  Returns y.  With a gradient needed, a group (N without
+    groups) longer than the backward takes is refused here rather than in the backward."""
     fn = "rms_norm_gated"
     _check_tensors(fn, ("x", "z"), x=x, z=z, weight=weight)
+    if _needs_grad(x, z, weight) and x.dim() and not torch.compiler.is_compiling():
+        n = x.shape[-1]
+        g = n if group_size is None else gated._group_size(group_size, n, fn)
+        if g > gated.BACKWARD_MAX_GROUP:
+            raise ValueError(f"{fn}: with a gradient, group_size (N without groups) must be at "
+                             f"most {gated.BACKWARD_MAX_GROUP} (the backward's limit), got {g}")
     eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
     return _ops.rms_norm_gated.default(x, z, weight, eps, weight_offset, group_size,
                                        bool(norm_before_gate))[0]
@@ -505,6 +551,8 @@ class RMSNormGated(torch.nn.Module):
     def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True,
                  device=None, dtype=None):
         super().__init__()
+        if group_size is not None:
+            gated._group_size(group_size, hidden_size, "RMSNormGated")
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.register_parameter("bias", None)

@@ -359,19 +359,25 @@ def make_cpu_gated_bwd(intr, dtype, weight_dtype, recompute_rstd, gate):
     decode_w = codec(intr, weight_dtype or _dtypes.FLOAT32)[0]
     has_weight, gated_input = bool(weight_dtype), gate == "input"
 
+    @intr.jitable
+    def product(a, b, w, off, j):
+        return a[j] * b[j]
+
+    # the row sums in the other CPU kernels' order (lanes and a pairwise tree)
+    row_dot = make_lane_sum(intr, product)
+
     @numba.njit(nogil=True, error_model="numpy")
     def gated_bwd(dy, x, z, weight, rstd, dx, dz, partial, eps, weight_offset, p0, p1):
         m, groups, g = x.shape
         parts = partial.shape[0]
         sg = np.empty(g, np.float32)
         gv = np.empty(g, np.float32)
+        hv = np.empty(g, np.float32)
         for p in range(p0, p1):
             for j in range(groups * g):
                 partial[p, j] = float32(0.0)
             for i in range(p * m // parts, (p + 1) * m // parts):
                 for k in range(groups):
-                    sxg = float32(0.0)
-                    ss = float32(0.0)
                     for j in range(g):
                         zv = decode(z[i, k, j])
                         sg[j] = zv / (float32(1.0) + np.exp(-zv))
@@ -382,8 +388,9 @@ def make_cpu_gated_bwd(intr, dtype, weight_dtype, recompute_rstd, gate):
                         if has_weight:
                             d = d * (decode_w(weight[k * g + j]) + weight_offset)
                         gv[j] = d
-                        sxg += v * d
-                        ss += v * v
+                        hv[j] = v
+                    sxg = row_dot(hv, gv, hv, float32(0.0), g)
+                    ss = row_dot(hv, hv, hv, float32(0.0), g)
                     if recompute_rstd:
                         r = float32(1.0) / np.sqrt(ss / float32(g) + eps)
                     else:
