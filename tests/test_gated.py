@@ -518,7 +518,7 @@ def _args(rng):
     return dict(x=x, z=z, dy=dy, w=w, rstd=rstd)
 
 
-GROUP = "group_size must be None or an int dividing N = 80, got "
+GROUP = "group_size must be None or an integer dividing N = 80, got "
 RSTD = "rstd must be a contiguous float32 array of shape (4, 2), got "
 FWD_ERRORS = [
     ("group_size=0", dict(group_size=0), ValueError,

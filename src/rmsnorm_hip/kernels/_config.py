@@ -555,7 +555,10 @@ def scalar_shifted(spec):
     same elements in the same float32 slots, so the same bits; faster than element-by-element
     access on the H200, docs/performance.md).  Not in backward blocks held to 64 registers a
     thread, where the blocks' words spilled (the float32 N = 8192 and the N = 16384 rows of 1024
-    threads): those stay element by element."""
+    threads), nor in backward head rows (BwdSpec.heads), whose 16-bit N = 4096 rows spilled with
+    them: those stay element by element."""
+    if isinstance(spec, BwdSpec) and spec.heads:
+        return False
     threads, blocks = launch_bounds(spec)
     return threads is None or 65536 // (threads * (blocks or 1)) >= 128
 
