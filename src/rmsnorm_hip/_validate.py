@@ -138,6 +138,19 @@ def heads(info, fn, arg, max_d):
     return t, h, d, (ts, hs)
 
 
+def dense(info):
+    """Whether an array's elements are consecutive in C order (size-1 dims aside; empty arrays
+    are, whatever strides NumPy gives them)."""
+    if 0 in tuple(info.shape):
+        return True
+    expected = 1
+    for d, s in reversed(list(zip(info.shape, info.strides))):
+        if d != 1 and s != expected:
+            return False
+        expected *= d
+    return True
+
+
 def same_place(info, like, fn, arg):
     """``info`` on x's device; any array library (outputs follow x's)."""
     if (info.device, info.device_index) != (like.device, like.device_index):

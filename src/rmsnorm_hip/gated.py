@@ -109,7 +109,7 @@ def rms_norm_gated_backward(dy, x, z, weight=None, rstd=None, *, group_size=None
         ri = _arrays.describe(rstd, "rstd", None, fn)
         want = (m,) if group_size is None else (m, groups)
         _validate.same_place(ri, xi, fn, "rstd")
-        if ri.dtype != _dtypes.FLOAT32 or tuple(ri.shape) != want or not _dense(ri):
+        if ri.dtype != _dtypes.FLOAT32 or tuple(ri.shape) != want or not _validate.dense(ri):
             raise ValueError(f"{fn}: rstd must be a contiguous float32 array of shape {want}, "
                              f"got {ri.dtype} {tuple(ri.shape)} strides {ri.strides}")
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
@@ -128,15 +128,3 @@ def rms_norm_gated_backward(dy, x, z, weight=None, rstd=None, *, group_size=None
             lambda shape: _arrays.empty(xi, shape, _dtypes.FLOAT32)[1])
     return dxi.result(), dzi.result(), (dwi.result() if dwi is not None else None)
 
-
-def _dense(info):
-    """Whether an array's elements are consecutive in C order (empty arrays are, whatever
-    strides NumPy gives them)."""
-    if 0 in tuple(info.shape):
-        return True
-    expected = 1
-    for d, s in reversed(list(zip(info.shape, info.strides))):
-        if d != 1 and s != expected:
-            return False
-        expected *= d
-    return True

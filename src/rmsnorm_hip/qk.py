@@ -118,7 +118,7 @@ def _rope(fn, qi, t, d, positions, cache, style, rotary_dim, reinterpret):
     if tuple(pi.shape) not in (lead, (t,)):
         raise ValueError(f"{fn}: positions must have q's leading shape {lead}, got "
                          f"{tuple(pi.shape)}")
-    if t > 1 and not _dense(pi):
+    if t > 1 and not _validate.dense(pi):
         raise ValueError(f"{fn}: positions must be contiguous, got strides {pi.strides}")
     ci = _arrays.describe(cache, "cos_sin_cache", reinterpret, fn)
     _validate.same_place(ci, qi, fn, "cos_sin_cache")
@@ -134,15 +134,6 @@ def _rope(fn, qi, t, d, positions, cache, style, rotary_dim, reinterpret):
     stride = int(ci.strides[0]) if ci.shape[0] > 1 else rot
     return (style, ci.dtype, pi.dtype, stride, ci.shape[0], rot), pi, ci
 
-
-def _dense(info):
-    """Whether an array's elements are consecutive in C order (size-1 dims aside)."""
-    expected = 1
-    for n, s in reversed(list(zip(info.shape, info.strides))):
-        if n != 1 and s != expected:
-            return False
-        expected *= n
-    return True
 
 
 def _positions_in_range(fn, pi, max_position):
