@@ -138,11 +138,17 @@ def assert_dweight(dw, ref, dtype):
 
 
 def quant_levels(q, quant_dtype):
-    """Signed level index of each element of q (int8 values, or float8 e4m3fn values / bits as
-    sign and magnitude code: adjacent representable values differ by 1; -0 and +0 are 0)."""
+    """Signed level index of each element of q (int8 values, float8 e4m3fn values / bits as
+    sign and magnitude code, float4 e2m1 values: adjacent representable values differ by 1; -0
+    and +0 are 0)."""
     q = np.asarray(q)
     if quant_dtype == "int8":
         return q.astype(np.int64)
+    if quant_dtype == "float4_e2m1":     # values: the index of the magnitude, signed
+        from rmsnorm_hip.reference import E2M1_MAGNITUDES
+        a = np.asarray(q, np.float64)
+        code = np.argmin(np.abs(np.abs(a)[..., None] - E2M1_MAGNITUDES), axis=-1)
+        return np.where(a < 0, -code, code).astype(np.int64)
     if q.dtype != np.uint8:
         q = np.asarray(q, np.float64).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     code = (q & 0x7F).astype(np.int64)
@@ -151,12 +157,19 @@ def quant_levels(q, quant_dtype):
 
 def assert_quant_close(q, yscale, q_ref, yscale_ref, quant_dtype):
     """q (the kernel's int8 / float8 output) against the reference quotient ``q_ref`` = y / yscale
-    (float64, unrounded; reference.rms_norm_quant_ref): within one level of its rounding
-    everywhere, and equal to it for more than 99.9% (QUANT_EQUAL_PER_MILLE) of the elements
-    whose rounding is decided.  A quotient within QUANT_TIE relative of a midpoint between two
-    levels may round either way (float32 against float64 arithmetic; bf16 data makes exact ties
-    common), so those are left out of the count.  yscale within TOLERANCES[float32] of its
-    reference."""
+    (assert_levels_close), and yscale within TOLERANCES[float32] of its reference."""
+    assert_levels_close(q, q_ref, quant_dtype)
+    assert_close(yscale, yscale_ref, FLOAT32)
+
+
+def assert_levels_close(q, q_ref, quant_dtype):
+    """q (int8 / float8 e4m3fn output, or float4 e2m1 values) against the reference quotient
+    ``q_ref`` = y / scale (float64, unrounded; reference.rms_norm_quant_ref and _scaled_ref):
+    within one level of its rounding everywhere, and equal to it for more than 99.9%
+    (QUANT_EQUAL_PER_MILLE) of the elements whose rounding is decided.  A quotient within
+    QUANT_TIE relative of a midpoint between two levels may round either way (float32 against
+    float64 arithmetic; bf16 data makes exact ties common), so those are left out of the
+    count."""
     from rmsnorm_hip.reference import quantize_ref
     q_ref = np.asarray(q_ref, np.float64)
     got, ref = quant_levels(q, quant_dtype), quant_levels(quantize_ref(q_ref, quant_dtype),
@@ -172,7 +185,6 @@ def assert_quant_close(q, yscale, q_ref, yscale_ref, quant_dtype):
     # more than 99.9% equal, in integers: (size - unequal) / size > 999 / 1000
     assert 1000 * (diff.size - unequal) > QUANT_EQUAL_PER_MILLE * diff.size, (
         f"{quant_dtype}: q differs from the reference in {unequal} of {diff.size} elements")
-    assert_close(yscale, yscale_ref, FLOAT32)
 
 
 def assert_bitwise(a, b, what="arrays"):

@@ -3,12 +3,13 @@ is installed) torch's CPU operators against its float64 reference before timing,
 from the op's byte formula, writes the JSON the README table is built from, and a wrong
 implementation is recorded as failed, not timed."""
 import json
+import math
 import os
 import sys
 
 import pytest
 
-from rmsnorm_hip._bench import ops, runner, table
+from rmsnorm_hip._bench import ops, peers, runner, table
 
 pytestmark = pytest.mark.quick
 
@@ -214,3 +215,141 @@ def test_head_and_gated_ops_run_from_the_command_line_and_in_decode_mode(monkeyp
     assert {N for _, N, _ in decode.cases(op="qk")} == {64, 128, 256}
     assert decode.cases(op="gated") == decode.cases()
     assert len(decode.cases(op="qk_rope")) == 15
+
+
+# ---- rms_norm_quant's scaled outputs (not in `all`: run by name) ----
+
+SCALED_OPS = ("quant_group", "quant_group_ue8m0", "quant_group_int8", "quant_static", "mxfp8",
+              "mxfp4")
+
+
+def _scaled_bytes(op, M, N, e):
+    """The byte formulas as the op summaries state them: x and weight read, q written, and a
+    float32 scale per 128 columns, a scale byte per 32 (MX) or the static scale's 4 bytes read."""
+    read = M * N * e + N * e
+    return {"quant_group": read + M * N + M * N // 128 * 4,
+            "quant_group_ue8m0": read + M * N + M * N // 128 * 4,
+            "quant_group_int8": read + M * N + M * N // 128 * 4,
+            "quant_static": read + M * N + 4,
+            "mxfp8": read + M * N + M * N // 32,
+            "mxfp4": read + M * N // 2 + M * N // 32}[op]
+
+
+def test_scaled_quant_ops_run_only_when_named():
+    assert not set(SCALED_OPS) & set(ops.ALL)
+    assert ops.ALL == ("fwd", "bwd", "bwd_dres", "fused", "quant", "quant_fp8")
+    assert all(op in runner.CUDA_CASES and op in runner.CPU_CASES for op in SCALED_OPS)
+
+
+@pytest.mark.parametrize("op", SCALED_OPS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_scaled_quant_ops_pass_their_checks_on_the_cpu(op, dtype):
+    """ours, NumPy and (where installed) torch within the op's tolerance of the float64 levels
+    before rounding, and the bytes as documented."""
+    from rmsnorm_hip._bench import targets
+    target = targets.make_target("cpu")
+    spec = ops.OPS[op]
+    impls = runner._implementations(spec, "cpu", "all")
+    assert list(impls) == list(IMPLS)
+    _, records = runner.checked_records(spec, target, impls, (3, 512, dtype), 0)
+    for record in records.values():
+        assert record["ok"], record
+        # the rounding error of the format is most of the tolerance
+        assert 0.5 * spec.tolerance[dtype] < record["rel_err"] < spec.tolerance[dtype]
+        assert record["bytes"] == _scaled_bytes(op, 3, 512, 4 if dtype == "float32" else 2)
+    assert spec.bytes_moved(5, 256, 2) == _scaled_bytes(op, 5, 256, 2)
+
+
+def _truncated(op, levels):
+    """``levels`` rounded toward zero onto the op's grid, in the numpy peer's q encoding."""
+    import ml_dtypes
+    import numpy as np
+
+    if op == "quant_group_int8":
+        return np.trunc(levels).astype(np.int8)
+    if op == "mxfp4":
+        grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+        code = np.searchsorted(grid, np.abs(levels), "right") - 1
+        code = code.astype(np.uint8) + 8 * (levels < 0).astype(np.uint8)
+        return code[:, 0::2] | (code[:, 1::2] << 4)
+    # e4m3: three mantissa bits kept of float32 (the levels here are normal: >= 2**-6)
+    bits = levels.astype(np.float32).view(np.int32) & ~0xFFFFF
+    return bits.view(np.float32).astype(ml_dtypes.float8_e4m3fn)
+
+
+def _wrong_outputs(op, good, levels):
+    """{what: outputs} of a wrong implementation, each a mistake that must fail the check."""
+    import numpy as np
+
+    if op == "quant_static":
+        return {"truncated": _truncated(op, levels), "q * 1.1": good.astype(np.float32) * 1.1}
+    q, scales = good
+    wrong = {"truncated": (_truncated(op, levels), scales),
+             "q rows swapped": (q[::-1].copy(), scales)}
+    if op in ("mxfp8", "mxfp4"):
+        wrong["scale exponent + 1"] = (q, scales + np.uint8(1))
+    elif op == "quant_group_ue8m0":
+        wrong["scales * 2"] = (q, peers._numpy_column_major(scales * np.float32(2)))
+        wrong["scales row-major"] = (q, np.ascontiguousarray(scales))
+    else:
+        wrong["scales * 1.01"] = (q, scales * np.float32(1.01))
+    if op == "mxfp4":
+        wrong["nibbles swapped"] = ((q >> 4) | (q << 4), scales)
+    return wrong
+
+
+@pytest.mark.parametrize("op", SCALED_OPS)
+def test_a_wrong_scaled_quant_output_fails_the_check(op):
+    """Rounding toward zero (about twice the error of round-to-nearest-even), a wrong scale,
+    rows out of place, fp4 nibbles swapped and a row-major DeepGEMM scale layout each fail."""
+    from rmsnorm_hip._bench import targets
+    target = targets.make_target("cpu")
+    spec = ops.OPS[op]
+    args = spec.make_inputs(target, 5, 256, "float32", 0)
+    reference = spec.reference(target, *args)
+    good = spec.peers["cpu"]["numpy"]()(*args)
+    check = lambda out: runner._check(spec, target, lambda *a: out, args, reference,  # noqa: E731
+                                      "float32")
+    assert check(good)["ok"]
+    levels = reference[0] if isinstance(reference, tuple) else reference
+    for what, outputs in _wrong_outputs(op, good, levels).items():
+        status = check(outputs)
+        assert not status["ok"] and status["status"] == "failed", (what, status)
+        if what.startswith("scale"):
+            reason = "yscale strides" if what.endswith("row-major") else "scales: rel err"
+            assert reason in status["error"], (what, status)
+
+
+def test_mx_outputs_are_compared_as_values_of_their_bits():
+    """q and the E8M0 scales are decoded bytes (torch's float8 / float4 / e8m0 dtypes or uint8):
+    fp4 pairs low nibble first, and the byte 255 (NaN) fails."""
+    import numpy as np
+
+    from rmsnorm_hip._bench import targets
+    target = targets.make_target("cpu")
+    q = np.array([[0x21, 0xF7]], np.uint8)
+    values, scales = ops.OPS["mxfp4"].unpack((q, np.array([[127]], np.uint8)))
+    assert values.tolist() == [[0.5, 1.0, 6.0, -6.0]] and scales.tolist() == [[1.0]]
+    values, scales = ops.OPS["mxfp8"].unpack((np.array([[0x38, 0xB8]], np.uint8),
+                                              np.array([[130, 0]], np.uint8)))
+    assert values.tolist() == [[1.0, -1.0]] and scales.tolist() == [[8.0, 2.0 ** -127]]
+    spec = ops.OPS["mxfp8"]
+    args = spec.make_inputs(target, 2, 64, "float32", 0)
+    reference = spec.reference(target, *args)
+    q, s = spec.peers["cpu"]["numpy"]()(*args)
+    s = s.copy()
+    s[0, 0] = 255
+    assert math.isnan(spec.max_rel_err(target, (q, s), reference))
+
+
+def test_scaled_quant_ops_run_from_the_command_line_and_in_decode_mode(monkeypatch):
+    """``bench --op NAME`` on the CPU, ours only, exits 0; ``--decode --ops`` accepts them, at
+    the default decode shapes (every N a multiple of 128)."""
+    from rmsnorm_hip._bench import decode, targets
+    monkeypatch.setattr(targets.CpuTarget, "copy_bandwidth", lambda self: {"gbps": 10.0})
+    for op in SCALED_OPS:
+        assert runner.main(["--device", "cpu", "--op", op, "--shapes", "2x256", "--dtypes",
+                            "fp32", "--compare", "none", "--no-host", "--no-progress"]) == 0
+    assert decode.op_names(",".join(SCALED_OPS)) == SCALED_OPS
+    assert all(N % 128 == 0 for op in SCALED_OPS for _, N, _ in decode.cases(op=op))
+    assert decode.cases(op="mxfp4") == decode.cases()

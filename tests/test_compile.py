@@ -135,6 +135,41 @@ def test_sm90_gate_puts_dweight_atomics_where_chosen(atomic, vector, red, red_v4
     assert bool(found) == failing, found
 
 
+def _amd_record(arch, **fields):
+    """An AMD kernel record that passes every gate but the ones ``fields`` set up."""
+    from rmsnorm_hip import aot
+    return dict(dict(op="quant", label="quant:test", arch=arch, scratch_bytes=0, vgpr_spill=0,
+                     sgpr_spill=0, dynamic_stack=False, global_loads=4, vgpr=32,
+                     elf_machine=aot._EM_AMDGPU, elf_mach=aot._AMDGPU_MACH[arch]), **fields)
+
+
+@pytest.mark.parametrize("arch,scaling,quant,scaled,mx,failing", [
+    ("gfx942", "mx", "mxfp4_e2m1", 0, 0, False), ("gfx942", "mx", "mxfp4_e2m1", 4, 4, True),
+    ("gfx942", "group", "float8_e4m3fn", 2, 0, True),
+    ("gfx950", "mx", "mxfp4_e2m1", 4, 4, False), ("gfx950", "mx", "mxfp8_e4m3", 0, 0, True),
+    ("gfx950", "mx", "mxfp8_e4m3", 4, 0, True), ("gfx950", "group", "float8_e4m3fn", 0, 0, False)])
+def test_amd_gate_keeps_scaled_converts_on_gfx950(arch, scaling, quant, scaled, mx, failing):
+    """The AMD gate fails gfx950's v_cvt_scalef32_* in any other arch's kernel (LLVM emits them
+    for gfx942 without an error) and a gfx950 MX kernel without its element conversion."""
+    from rmsnorm_hip import aot
+    record = _amd_record(arch, scaling=scaling, quant=quant, scaled_converts=scaled,
+                         mx_converts=mx)
+    found = [p for p in aot.problems(record, "hip") if "scalef32" in p]
+    assert bool(found) == failing, found
+
+
+def test_gfx950_intrinsics_compile_for_gfx950_alone():
+    """A namespace with the hardware MX conversions is refused for any other arch before
+    anything compiles (its code objects would hold gfx950-only instructions)."""
+    from types import SimpleNamespace
+
+    from rmsnorm_hip.backends.hip import variant_code_objects
+    gfx950 = SimpleNamespace(name="hip", features=frozenset({"gpu", "mx_hw_convert"}))
+    for archs in (("gfx942",), ("gfx950", "gfx942")):
+        with pytest.raises(ValueError, match="cannot compile"):
+            variant_code_objects(None, None, (), archs, gfx950)
+
+
 _ATOMICS_PTX = """
 import re
 from numba import types

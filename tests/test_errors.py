@@ -243,9 +243,11 @@ CASES += [
          r"fused_add_rms_norm_: residual must have shape \(3, 8\), got \(4, 8\)", fn=FI),
     # quantised
     Case("quant_dtype_unknown", lambda r: ((f32(r),), dict(quant_dtype="int4")), ValueError,
-         r"rms_norm_quant: quant_dtype must be 'int8' or 'float8_e4m3fn', got 'int4'", fn=RQ),
+         r"rms_norm_quant: quant_dtype must be 'int8', 'float8_e4m3fn', 'mxfp8_e4m3' or "
+         r"'mxfp4_e2m1', got 'int4'", fn=RQ),
     Case("quant_dtype_uint8", lambda r: ((f32(r),), dict(quant_dtype=np.uint8)), ValueError,
-         r"rms_norm_quant: quant_dtype must be 'int8' or 'float8_e4m3fn', got <class", fn=RQ),
+         r"rms_norm_quant: quant_dtype must be 'int8', 'float8_e4m3fn', 'mxfp8_e4m3' or "
+         r"'mxfp4_e2m1', got <class", fn=RQ),
     Case("quant_dtype_fnuz", lambda r: ((f32(r),), dict(quant_dtype="float8_e4m3fnuz")),
          ValueError, r"rms_norm_quant: quant_dtype must be .*got 'float8_e4m3fnuz'", fn=RQ),
     Case("quant_dtype_none", lambda r: ((f32(r),), dict(quant_dtype=None)), ValueError,
@@ -453,7 +455,8 @@ CASES += [
 
     # ---- rms_norm_quant ---------------------------------------------------------------------
     Case("quant_dtype_uppercase", lambda r: ((f32(r),), dict(quant_dtype="INT8")), ValueError,
-         r"rms_norm_quant: quant_dtype must be 'int8' or 'float8_e4m3fn', got 'INT8'", fn=RQ),
+         r"rms_norm_quant: quant_dtype must be 'int8', 'float8_e4m3fn', 'mxfp8_e4m3' or "
+         r"'mxfp4_e2m1', got 'INT8'", fn=RQ),
     Case("quant_dtype_int", lambda r: ((f32(r),), dict(quant_dtype=8)), ValueError,
          r"rms_norm_quant: quant_dtype must be .*got 8", fn=RQ),
     Case("quant_dtype_float8_e5m2", lambda r: ((f32(r),), dict(quant_dtype="float8_e5m2")),

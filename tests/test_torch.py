@@ -477,7 +477,8 @@ ERRORS = [
     (lambda: rt.fused_add_rms_norm(leaf(torch.ones(2, 8)), torch.ones(2, 8).half()), TypeError,
      r"fused_add_rms_norm: residual must have dtype float32, got float16"),
     (lambda: rt.rms_norm_quant(torch.ones(2, 8), quant_dtype="int4"), ValueError,
-     r"rms_norm_quant: quant_dtype must be 'int8' or 'float8_e4m3fn', got 'int4'"),
+     r"rms_norm_quant: quant_dtype must be 'int8', 'float8_e4m3fn', 'mxfp8_e4m3' or "
+         r"'mxfp4_e2m1', got 'int4'"),
     (lambda: rt.RMSNorm(8)(torch.ones(2, 9)), ValueError,
      r"RMSNorm: x must have shape \(\.\.\., 8\) \(normalized_shape \(8,\)\), got \(2, 9\)"),
     (lambda: rt.RMSNorm(8, elementwise_affine=False, weight_offset=1.0), ValueError,

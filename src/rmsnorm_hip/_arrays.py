@@ -373,7 +373,8 @@ class SimulatedDeviceArray:
     def __init__(self, array):
         self.array = array
         self.__cuda_array_interface__ = dict(
-            shape=array.shape, typestr=array.dtype.str, strides=None, version=3,
+            shape=array.shape, typestr=array.dtype.str, version=3,
+            strides=None if array.flags.c_contiguous else array.strides,
             data=(array.__array_interface__["data"][0], False))
 
     shape = property(lambda self: self.array.shape)

@@ -44,6 +44,29 @@ def _levels(q, quant_dtype):
     return np.where(bits & 0x80, -code, code)
 
 
+def levels_within_contract(values, levels_ref, element, tie=1e-5):
+    """(ok, largest level difference) of quantised values (float64: int8 levels, float8 e4m3fn
+    or float4 e2m1 values) against the reference's unrounded ``levels_ref``: every one within
+    one representable step of its rounding, equal for more than 99.9% of those whose rounding
+    is decided (see quant_within_contract)."""
+    def steps(v):
+        v = np.asarray(v, np.float64)
+        if element == "float4_e2m1":
+            code = np.argmin(np.abs(np.abs(v)[..., None] - reference.E2M1_MAGNITUDES), axis=-1)
+            return np.where(v < 0, -code, code).astype(np.int64)
+        return _levels(v, element)
+    got = steps(values)
+    ref = steps(reference.quantize_ref(levels_ref, element))
+    if got.shape != ref.shape:
+        return False, float("inf")
+    diff = np.abs(got - ref)
+    decided = (reference.quantize_ref(levels_ref * (1 + tie), element)
+               == reference.quantize_ref(levels_ref * (1 - tie), element))
+    unequal = int(np.count_nonzero(diff[decided]))
+    ok = int(diff.max(initial=0)) <= 1 and 1000 * (diff.size - unequal) > 999 * diff.size
+    return ok, float(diff.max(initial=0))
+
+
 def quant_within_contract(q, yscale, q_ref, yscale_ref, quant_dtype, tie=1e-5):
     """(ok, yscale relative error, largest level difference) of a quantised output against the
     reference quotient ``q_ref`` (reference.rms_norm_quant_ref): every level within 1 of its

@@ -342,8 +342,8 @@ def _share_elements(a, b):
 
 
 def quant_dtype(value, fn):
-    """The name of a quantised output dtype: "int8" / "float8_e4m3fn", also given as a NumPy,
-    ml_dtypes or torch dtype of that name."""
+    """The name of a quantised output format: "int8" / "float8_e4m3fn", also given as a NumPy,
+    ml_dtypes or torch dtype of that name, or an MX format "mxfp8_e4m3" / "mxfp4_e2m1"."""
     if isinstance(value, str):
         name = value
     elif type(value).__module__.split(".")[0] == "torch":
@@ -353,6 +353,7 @@ def quant_dtype(value, fn):
             name = np.dtype(value).name if value is not None else None
         except TypeError:
             name = None
-    if name not in _dtypes.QUANT_DTYPES:
-        raise ValueError(f"{fn}: quant_dtype must be 'int8' or 'float8_e4m3fn', got {value!r}")
+    if name not in _dtypes.QUANT_DTYPES + _dtypes.MX_DTYPES:
+        raise ValueError(f"{fn}: quant_dtype must be 'int8', 'float8_e4m3fn', 'mxfp8_e4m3' or "
+                         f"'mxfp4_e2m1', got {value!r}")
     return name

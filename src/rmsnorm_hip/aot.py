@@ -22,6 +22,10 @@ Gates (``--no-check`` turns all but the first off); each failing kernel counts o
   storing bytes one by one;
 - a main kernel (vector path, one cached row per block: what LLM-sized rows run) over 64 VGPRs
   (AMD; 8 waves per SIMD need <= 64);
+- gfx950's scaled conversions (``v_cvt_scalef32_*``) in another arch's kernel, where they are
+  illegal (LLVM emits them for gfx942 without an error), and a gfx950 MX kernel whose elements
+  do not take ``v_cvt_scalef32_pk_fp4_f32`` / ``_fp8_f32`` (AMD; MX kernels are compiled once
+  per arch with that arch's intrinsics, every other kernel once for all arches);
 - any kernel whose VGPRs keep its block from being resident on one CU (AMD: a block of W
   wavefronts puts ceil(W / 4) on each SIMD, which share 512 VGPRs per lane: 1024 threads need
   <= 128).  Looped rows (N past the cached layouts, e.g. > 32768 bf16) are held to this one:
@@ -76,6 +80,8 @@ AMD_ARCHS = ("gfx942", "gfx950")
 CUDA_ARCHS = ("sm_90",)
 _EM_AMDGPU = 224
 _AMDGPU_MACH = {"gfx942": 0x4C, "gfx950": 0x4F}   # EF_AMDGPU_MACH_AMDGCN_* (ELF e_flags & 0xff)
+# the instruction each MX element type converts with where the hardware has it (MX_HW_ARCHS)
+_MX_CONVERT = {"mxfp4_e2m1": "v_cvt_scalef32_pk_fp4_f32", "mxfp8_e4m3": "v_cvt_scalef32_pk_fp8_f32"}
 
 
 # ---- one kernel ------------------------------------------------------------------------------
@@ -90,10 +96,11 @@ def _describe(variant):
                              ("chunks_per_thread", layout, "chunks_per_thread"),
                              ("cached", layout, "cached"), ("vector", spec, "vector"),
                              ("store_rstd", spec, "store_rstd"), ("residual", spec, "residual"),
-                             ("quant", spec, "quant"), ("xscale", spec, "xscale")):
+                             ("quant", spec, "quant"), ("xscale", spec, "xscale"),
+                             ("scaling", spec, "scaling"), ("group", spec, "group")):
         if owner is not None and hasattr(owner, attr):
             record[key] = getattr(owner, attr)
-    for key in ("weight", "quant", "xscale"):
+    for key in ("weight", "quant", "xscale", "scaling"):
         if record.get(key) == "":
             record[key] = None
     record["full_width_store"] = getattr(variant, "full_width_store", True)
@@ -133,10 +140,19 @@ def _elf_mach(code_object):
 
 
 def amd_records(variant, archs, intr, keep_dir=None):
-    """{arch: record} of one variant compiled for every AMD arch (one numba compile)."""
-    from .backends.hip import variant_code_objects
+    """{arch: record} of one variant compiled for every AMD arch: one numba compile, or for an
+    MX kernel one per arch with that arch's intrinsics (gfx950 converts MX elements in
+    hardware)."""
+    from .backends.hip import intrinsics_for, is_mx, variant_code_objects
 
-    compiled = variant_code_objects(variant.builder, variant.spec, variant.argtypes, archs, intr)
+    def compile_for(archs, intr):
+        return variant_code_objects(variant.builder, variant.spec, variant.argtypes, archs, intr)
+
+    if is_mx(variant.spec):
+        compiled = {arch: compile_for((arch,), intrinsics_for(variant.spec, arch))[arch]
+                    for arch in archs}
+    else:
+        compiled = compile_for(archs, intr)
     records = {}
     for arch, (code_object, isa, metadata) in compiled.items():
         kernel = metadata["amdhsa.kernels"][0]
@@ -149,6 +165,7 @@ def amd_records(variant, archs, intr, keep_dir=None):
 
         machine, mach = _elf_mach(code_object)
         records[arch] = record = _describe(variant)
+        mx_convert = _MX_CONVERT.get(record.get("quant"))
         record.update(
             arch=arch, target=metadata.get("amdhsa.target"), elf_machine=machine, elf_mach=mach,
             vgpr=num(".vgpr_count"), agpr=num(".agpr_count"), sgpr=num(".sgpr_count"),
@@ -166,6 +183,9 @@ def amd_records(variant, archs, intr, keep_dir=None):
             global_store_dwordx4=count("global_store_dwordx4"),
             global_store_byte=count("global_store_byte"),
             global_atomic_cmpswap=count("global_atomic_cmpswap\\w*"),
+            # gfx950's scaled conversions: all, and the one an MX kernel's elements take
+            scaled_converts=count("v_cvt_scalef32\\w*"),
+            mx_converts=count(mx_convert) if mx_convert else 0,
         )
         if keep_dir:
             stem = os.path.join(keep_dir, f"{arch}-{_file_stem(variant.label)}")
@@ -267,6 +287,28 @@ def _run_ptxas(ptxas, arch, ptx):
     return done, done.stdout + done.stderr
 
 
+def byte_scales(record):
+    """Whether the kernel's scales are bytes (MX's E8M0, one per 32 elements, stored by the
+    block's first lane; float32 x's four fp4 elements are two bytes too): its byte stores are
+    those, not a vector path's rows stored byte by byte."""
+    return record.get("scaling") == "mx"
+
+
+def _scaled_convert_problems(record):
+    """gfx950's v_cvt_scalef32_* in another arch's kernel (LLVM selects them for gfx942 without
+    a word, and they are illegal there), or a gfx950 MX kernel converting without them."""
+    from .intrinsics import MX_HW_ARCHS
+    if record["arch"] not in MX_HW_ARCHS:
+        if record.get("scaled_converts"):
+            return [f"{record['scaled_converts']} v_cvt_scalef32 (gfx950 only) in a "
+                    f"{record['arch']} kernel"]
+        return []
+    wanted = _MX_CONVERT.get(record.get("quant")) if record.get("scaling") == "mx" else None
+    if wanted and not record.get("mx_converts"):
+        return [f"MX kernel without {wanted}"]
+    return []
+
+
 def problems(record, target):
     """Why ``record`` fails the gates (empty when it passes)."""
     if record.get("error"):
@@ -286,13 +328,14 @@ def problems(record, target):
         if record.get("vector") and not (record["global_load_dwordx4"] and (
                 record["global_store_dwordx4"] or not record.get("full_width_store", True))):
             out.append("vector path without global_load/store_dwordx4")
-        if record.get("vector") and record.get("global_store_byte"):
+        if record.get("vector") and record.get("global_store_byte") and not byte_scales(record):
             out.append("vector path stores bytes one by one")
         if is_main_kernel(record) and record["vgpr"] > MAIN_KERNEL_MAX_VGPRS:
             out.append(f"main kernel {record['vgpr']} VGPRs > {MAIN_KERNEL_MAX_VGPRS}")
         limit = block_vgpr_limit(record, record.get("wavefront") or 64)
         if limit is not None and record["vgpr"] > limit:
             out.append(f"{record['vgpr']} VGPRs > {limit}: the block does not fit on a CU")
+        out.extend(_scaled_convert_problems(record))
         expected = _AMDGPU_MACH.get(record["arch"])
         if record["elf_machine"] != _EM_AMDGPU or (expected and record["elf_mach"] != expected):
             out.append(f"not a {record['arch']} code object")
@@ -310,7 +353,7 @@ def problems(record, target):
         if record.get("vector") and not (record["ld_global_v4"] and (
                 record["st_global_v4"] or not record.get("full_width_store", True))):
             out.append("vector path without ld/st.global.v4")
-        if record.get("vector") and record.get("st_global_byte"):
+        if record.get("vector") and record.get("st_global_byte") and not byte_scales(record):
             out.append("vector path stores bytes one by one")
         if record.get("shifted_spans") and not record["ld_global_v4"]:
             out.append("scalar row without the aligned 128-bit loads of its spans")

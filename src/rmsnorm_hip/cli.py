@@ -206,6 +206,8 @@ def cmd_check(args):
     failures += _check_fused(rng, to_device, to_host, args.verbose)
     from . import _check_heads
     failures += _check_heads.check(rng, to_device, to_host, args.verbose, name)
+    from . import _check_quant
+    failures += _check_quant.check(rng, to_device, to_host, args.verbose)
     print("PASS" if not failures else f"FAIL: {failures} case(s)")
     return 1 if failures else 0
 

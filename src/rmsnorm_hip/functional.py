@@ -8,7 +8,7 @@ so a repeat call reads pointers, allocates its outputs and launches (a few micro
 """
 import os as _os
 
-from . import _arrays, _dtypes, _validate, backends
+from . import _arrays, _dtypes, _quant, _validate, backends
 
 __all__ = ["rms_norm", "rms_norm_backward", "fused_add_rms_norm", "fused_add_rms_norm_",
            "rms_norm_quant"]
@@ -219,8 +219,10 @@ def fused_add_rms_norm_(x, residual, weight=None, eps=1e-6, *, weight_offset=0.0
 
 
 def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quant_dtype="int8",
-                   weight_offset=0.0, dtype=None):
-    """RMS normalisation with dynamic per-token quantisation (SmoothQuant with ``xscale``).
+                   weight_offset=0.0, group_size=None, scale_format="float32",
+                   scale_layout="row", scale=None, dtype=None):
+    """RMS normalisation with quantisation: dynamic per token (SmoothQuant with ``xscale``), per
+    group of columns, static, or the MX formats (docs/api.md has every formula).
 
     ``h = round(x + residual)`` when residual is given, else x;
     ``y = h * rstd * (weight + weight_offset) * xscale`` in float32, never rounded;
@@ -237,16 +239,33 @@ def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quan
     residual : array like x; when given, h = round(x + residual) is normalised and returned as
         residual_out (residual itself is not modified).
     quant_dtype : "int8" or "float8_e4m3fn" (NumPy / ml_dtypes / torch dtypes of those names
-        are accepted too).
+        are accepted too), or "mxfp8_e4m3" / "mxfp4_e2m1": OCP MX blocks of 32 columns sharing
+        an E8M0 scale (e = floor(log2(max|y|)) - emax, clamped; elements rne(y / 2**e),
+        saturated).
+    group_size : one scale per group of this many columns (a power of two, 16 to 128, dividing
+        N); yscale (M, N // group_size).
+    scale_format : "float32" (max|y| / QMAX) or "ue8m0" (rounded up to a power of two).
+    scale_layout : "row", or "column": yscale column-major, its columns padded to a multiple of
+        4 rows (DeepGEMM's layout).
+    scale : static quantisation, q = clamp(rne(y / scale)): a positive number or a float32
+        array of one element on x's device.
 
     Returns
     -------
-    (q, yscale), or (q, yscale, residual_out) when residual is given.  q has x's shape: int8, or
-    float8_e4m3fn (``ml_dtypes.float8_e4m3fn`` for NumPy, ``torch.float8_e4m3fn`` for torch,
-    uint8 bits for CuPy and other ``__cuda_array_interface__`` arrays); yscale is float32 (M,).
+    (q, yscale), or (q, yscale, residual_out) when residual is given (static: q, or
+    (q, residual_out)).  q has x's shape: int8, or float8_e4m3fn (``ml_dtypes.float8_e4m3fn``
+    for NumPy, ``torch.float8_e4m3fn`` for torch, uint8 bits for CuPy and other
+    ``__cuda_array_interface__`` arrays); MX: uint8 e4m3fn bits, or fp4 pairs (..., N // 2),
+    with uint8 E8M0 scales (M, N // 32) (torch: float8_e4m3fn / float4_e2m1fn_x2 and
+    float8_e8m0fnu).  yscale is float32 (M,), or (M, N // group_size).
     """
     fn = "rms_norm_quant"
     key = None
+    if _quant.wants_scaled(quant_dtype, group_size, scale_format, scale_layout, scale):
+        quant = _validate.quant_dtype(quant_dtype, fn)
+        return _quant.rms_norm_quant_scaled(fn, x, weight, eps, xscale, residual, quant,
+                                            weight_offset, group_size, scale_format,
+                                            scale_layout, scale, dtype)
     if dtype is None and type(quant_dtype).__hash__ is not None:
         key = _arrays.fast_key(x, weight, (fn, quant_dtype, _backend_env()),
                                (residual, xscale))

@@ -56,7 +56,10 @@ def fused_add_rms_norm_ref(x, residual, weight=None, eps=1e-6, weight_offset=0.0
 
 def quantize_ref(levels64, quant_dtype):
     """float64 values in units of yscale, rounded to ``quant_dtype``'s nearest level (ties to
-    even) and saturated at +-QMAX, as float64 (the grid q is compared on)."""
+    even) and saturated at +-QMAX, as float64 (the grid q is compared on); ``quant_dtype``
+    "int8", "float8_e4m3fn" or "float4_e2m1" (MX's elements)."""
+    if quant_dtype == "float4_e2m1":
+        return quantize_e2m1_ref(levels64)
     qmax = QMAX[quant_dtype]
     clipped = np.clip(levels64, -qmax, qmax)
     if quant_dtype == "int8":
@@ -79,6 +82,61 @@ def rms_norm_quant_ref(x, weight=None, eps=1e-6, *, xscale=None, residual=None,
     q = y / yscale
     yscale = yscale.reshape(-1)
     return (q, yscale) if residual is None else (q, yscale, h)
+
+MX_EMAX = {"mxfp8_e4m3": 8, "mxfp4_e2m1": 2}
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def quantize_e2m1_ref(v64):
+    """float64 values rounded to the nearest float4 e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and
+    their negatives), ties to the even code, saturating at +-6, as float64."""
+    v64 = np.asarray(v64, np.float64)
+    distance = np.abs(np.minimum(np.abs(v64), 6.0)[..., None] - E2M1_MAGNITUDES)
+    nearest = distance == distance.min(axis=-1, keepdims=True)
+    even = (np.arange(8) % 2 == 0)
+    code = np.argmax(nearest * (1 + even), axis=-1)     # of two equally near, the even code
+    return np.copysign(E2M1_MAGNITUDES[code], v64)
+
+
+def rms_norm_quant_scaled_ref(x, weight=None, eps=1e-6, *, xscale=None, residual=None,
+                              quant_dtype="int8", weight_offset=0.0, group_size=None,
+                              scale_format="float32", scale=None):
+    """The scaled formats of rms_norm_quant in float64, from y as :func:`rms_norm_quant_ref`
+    forms it: ``(levels, scales, residual_out or None)`` with ``levels = y / scale`` per element
+    (not rounded: :func:`quantize_ref` / :func:`quantize_e2m1_ref` do that) and ``scales``
+    (M, N // G) as the call returns them, row-major:
+
+    - group_size G: amax = max|y| of each group; yscale = amax / QMAX (1 where amax = 0), or
+      with scale_format="ue8m0" 2**ceil(log2(amax / QMAX)), the exponent clamped to E8M0's
+      [-127, 127] (1 where amax = 0);
+    - MX (quant_dtype "mxfp8_e4m3" / "mxfp4_e2m1", blocks of 32): e = floor(log2(amax)) - emax
+      clamped to [-127, 127] (-127 where amax = 0), scales the E8M0 bytes e + 127, levels
+      y / 2**e;
+    - scale=s: levels y / s, scales None."""
+    h = x if residual is None else fused_add_rms_norm_ref(x, residual)[1]
+    y, _ = rms_norm_ref(h, weight, eps, weight_offset)
+    if xscale is not None:
+        y = y * to_float64(xscale)
+    n = y.shape[-1]
+    y = y.reshape(-1, n)
+    h = None if residual is None else h
+    if scale is not None:
+        return y / float(np.float32(to_float64(scale).reshape(-1)[0])), None, h
+    mx = quant_dtype in MX_EMAX
+    g = 32 if mx else group_size
+    blocks = y.reshape(len(y), n // g, g)
+    amax = np.max(np.abs(blocks), axis=-1)
+    with np.errstate(divide="ignore"):
+        if mx:
+            e = np.where(amax == 0, -127, np.floor(np.log2(amax)) - MX_EMAX[quant_dtype])
+            e = np.clip(e, -127, 127)
+            return (blocks / 2.0 ** e[..., None]).reshape(y.shape), (e + 127).astype(np.uint8), h
+        yscale = amax / QMAX[quant_dtype]
+        if scale_format == "ue8m0":
+            yscale = 2.0 ** np.clip(np.ceil(np.log2(yscale)), -127, 127)
+    yscale = np.where(amax == 0, 1.0, yscale)
+    return (blocks / yscale[..., None]).reshape(y.shape), yscale, h
+
 
 def rms_norm_backward_ref(dy, x, weight=None, rstd=None, eps=1e-6, weight_offset=0.0,
                           dresidual=None):

@@ -22,6 +22,9 @@ The ops (``torch.ops.rmsnorm_hip.<name>``; ``weight?`` is an optional tensor):
   ``[dx, dweight]`` with a weight
 - ``rms_norm_quant(x, weight?, eps, xscale?, residual?, quant_dtype, weight_offset) ->
   [q, yscale]``, or ``[q, yscale, residual_out]`` with a residual
+- ``rms_norm_quant_scaled(x, weight?, eps, xscale?, residual?, quant_dtype, weight_offset,
+  group_size?, scale_format, scale_layout, scale?, scale_value?) -> [q, scales]`` (group and MX
+  scales) or ``[q]`` (static), ``+ [residual_out]`` with a residual
 - ``qk_rms_norm_(q!, k!, q_weight, k_weight, eps, weight_offset, positions?, cos_sin_cache?,
   rope_style, rotary_dim?) -> ()``: q and k declared mutated
 - ``qk_rms_norm(q, k, q_weight, k_weight, eps, weight_offset, positions?, cos_sin_cache?,
@@ -43,7 +46,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _validate, functional, gated, qk
+from . import _quant, _validate, functional, gated, qk
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_quant", "qk_rms_norm_", "qk_rms_norm",
            "rms_norm_gated", "RMSNorm", "RMSNormGated", "replace_rmsnorm"]
@@ -167,6 +170,43 @@ def _(x, weight, eps, xscale, residual, quant_dtype, weight_offset):
     return outs if residual is None else outs + [x.new_empty(x.shape)]
 
 
+@torch.library.custom_op("rmsnorm_hip::rms_norm_quant_scaled", mutates_args=())
+def _quant_scaled_op(x: Tensor, weight: Optional[Tensor], eps: float, xscale: Optional[Tensor],
+                     residual: Optional[Tensor], quant_dtype: str, weight_offset: float,
+                     group_size: Optional[int], scale_format: str, scale_layout: str,
+                     scale: Optional[Tensor], scale_value: Optional[float]) -> list[Tensor]:
+    with _on_device(x):
+        out = functional.rms_norm_quant(
+            _rows(x, "x"), _vector(weight), eps, xscale=_vector(xscale),
+            residual=_rows(residual, "residual"), quant_dtype=quant_dtype,
+            weight_offset=weight_offset, group_size=group_size, scale_format=scale_format,
+            scale_layout=scale_layout, scale=scale if scale is not None else scale_value)
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@_quant_scaled_op.register_fake
+def _(x, weight, eps, xscale, residual, quant_dtype, weight_offset, group_size, scale_format,
+      scale_layout, scale, scale_value):
+    fn = "rms_norm_quant"
+    quant = _validate.quant_dtype(quant_dtype, fn)
+    n, m = x.shape[-1], _rows_of(x.shape)
+    mx = quant in _quant.MX_FORMATS
+    q_shape = x.shape[:-1] + ((n // 2,) if quant == "mxfp4_e2m1" else (n,))
+    outs = [x.new_empty(q_shape, dtype=_quant.torch_dtype(torch, "q" + quant) or getattr(
+        torch, quant))]
+    if scale is None and scale_value is None:
+        groups = n // (32 if mx else group_size)
+        if mx:
+            outs.append(x.new_empty((m, groups), dtype=_quant.torch_dtype(torch, "scales")))
+        elif scale_layout == "column":
+            pad = -(-m // _quant.COLUMN_PAD) * _quant.COLUMN_PAD
+            outs.append(torch.empty_strided((m, groups), (1, pad), dtype=torch.float32,
+                                            device=x.device))
+        else:
+            outs.append(x.new_empty((m, groups), dtype=torch.float32))
+    return outs if residual is None else outs + [x.new_empty(x.shape)]
+
+
 # ---- backward op and the autograd formula --------------------------------------------------------
 
 def _backward_impl(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Optional[Tensor],
@@ -255,6 +295,8 @@ def _setup_quant(ctx, inputs, output):
 
 
 _quant_op.register_autograd(lambda ctx, *grads: (None,) * 7, setup_context=_setup_quant)
+_quant_scaled_op.register_autograd(lambda ctx, *grads: (None,) * 12,
+                                   setup_context=_setup_quant)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -362,16 +404,34 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, weight_offset=0.0):
 
 
 def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quant_dtype="int8",
-                   weight_offset=0.0):
+                   weight_offset=0.0, group_size=None, scale_format="float32",
+                   scale_layout="row", scale=None):
     """:func:`rmsnorm_hip.rms_norm_quant` as a custom op (traceable; not differentiable):
-    ``(q, yscale)``, or ``(q, yscale, residual_out)`` when residual is given.  ``quant_dtype``:
-    "int8" / "float8_e4m3fn" or ``torch.int8`` / ``torch.float8_e4m3fn``."""
+    ``(q, yscale)``, or ``(q, yscale, residual_out)`` when residual is given; with a static
+    ``scale``, ``q`` or ``(q, residual_out)``.  ``quant_dtype``: "int8" / "float8_e4m3fn" (or
+    ``torch.int8`` / ``torch.float8_e4m3fn``), "mxfp8_e4m3" / "mxfp4_e2m1".  MX outputs come as
+    ``torch.float8_e4m3fn`` / ``torch.float4_e2m1fn_x2`` and ``torch.float8_e8m0fnu`` scales
+    (uint8 where this torch lacks them); ``scale_layout="column"`` scales as a column-major view.
+    ``scale``: a float32 tensor of one element on x's device, or a positive number (kept on the
+    device per value, so repeat calls and CUDA graph replays copy nothing)."""
     fn = "rms_norm_quant"
-    _check_tensors(fn, x=x, weight=weight, xscale=xscale, residual=residual)
+    scale_tensor = scale if isinstance(scale, Tensor) else None
+    _check_tensors(fn, x=x, weight=weight, xscale=xscale, residual=residual, scale=scale_tensor)
     quant_dtype = _validate.quant_dtype(quant_dtype, fn)
     eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
-    return tuple(_ops.rms_norm_quant.default(x, weight, eps, xscale, residual, quant_dtype,
-                                             weight_offset))
+    if not _quant.wants_scaled(quant_dtype, group_size, scale_format, scale_layout, scale):
+        return tuple(_ops.rms_norm_quant.default(x, weight, eps, xscale, residual, quant_dtype,
+                                                 weight_offset))
+    scale_value = None
+    if scale is not None and scale_tensor is None:
+        scale_value = _quant.scale_number(scale, fn)
+    n = x.shape[-1] if x.dim() else 0
+    _quant.scheme(fn, quant_dtype, n, group_size, scale_format, scale_layout, scale)
+    out = _ops.rms_norm_quant_scaled.default(
+        x, weight, eps, xscale, residual, quant_dtype, weight_offset,
+        None if group_size is None else int(group_size), scale_format, scale_layout,
+        scale_tensor, scale_value)
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def _qk_args(q, k, q_weight, k_weight, eps, weight_offset, positions, cos_sin_cache, rope_style,

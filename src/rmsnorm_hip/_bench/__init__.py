@@ -10,7 +10,10 @@ Python::
 - ``op``: a key of ``ops.OPS`` (None: ``"fwd"``) or ``"all"`` (``ops.ALL``): fwd, bwd, bwd_dres,
   fused, fused_inplace, quant, quant_fp8, and (not in "all") qk and qk_rope (QK-norm in place on
   the q and k views of a QKV buffer, without and with neox RoPE; M = tokens, N = head size),
-  gated and gated_bwd (Mamba 2's gated RMSNorm and its backward).
+  gated and gated_bwd (Mamba 2's gated RMSNorm and its backward), and rms_norm_quant's scaled
+  outputs: quant_group (fp8, a float32 scale per 1x128 group), quant_group_ue8m0 (the same with
+  power-of-two scales stored column-major, DeepGEMM's), quant_group_int8, quant_static (fp8, a
+  static scale) and mxfp8 / mxfp4 (OCP MX).
 - ``shapes``: ``[(M, N) or "MxN", ...]``; None: the target's default cases (``runner.CUDA_CASES``,
   ``runner.CPU_CASES``).
 - ``dtypes``: ``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"``, ``"float32"``/``"fp32"``.
@@ -51,7 +54,7 @@ Method (docs/performance.md has the reasons):
 
 Decode mode (``--decode``, decode.py; CUDA only): ops fwd, fused, fused_inplace (ours in place,
 against the out-of-place fused peers), quant and bwd by default; any op of ``ops.OPS`` with
-``--ops`` (qk, qk_rope, gated, ...), at M 1, 8, 32, 128, 512 x N 2048, 4096, 5120, 8192 (the
+``--ops`` (qk, qk_rope, gated, mxfp4, ...), at M 1, 8, 32, 128, 512 x N 2048, 4096, 5120, 8192 (the
 QK-norm ops: head sizes 64, 128, 256), bf16.  Checked as above, then four figures per call:
 ``graph_us``, the replay time of 50 calls captured in one CUDA graph / 50 (median of 10 replays,
 after warm-up on the capture stream), what a serving engine's decode step sees; ``us``, the flushed

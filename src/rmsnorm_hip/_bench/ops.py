@@ -14,6 +14,10 @@ An `Op` holds everything the runner needs to benchmark one entry point against i
 - `copy_inputs`: for an in-place op whose inputs are views into one buffer (qk: q and k of a QKV
   buffer), how to copy them so that the copies are such views again (default: each array
   copied on its own, contiguous).
+- `unpack`: for an op whose outputs are format bits (the MX ops) or must have a layout, maps an
+  implementation's outputs to arrays comparable with the reference (may raise: the check fails).
+- `scale_tolerance`: for the quantised ops whose scales are checked tighter than q, the largest
+  relative error of the outputs after the first (the scales); `tolerance` then holds for q.
 
 The shapes are `M x N` for every op; for the QK-norm ops M is the number of tokens T and N the
 head size D, with Hq = 32 query and Hk = 8 key heads per token (`QK_HEADS`, Llama-3-8B's).
@@ -21,6 +25,7 @@ head size D, with Hq = 32 query and Hk = 8 key heads per token (`QK_HEADS`, Llam
 An op with several outputs returns a tuple from its implementations and its reference; the error is
 the largest over the outputs.
 """
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional
@@ -44,15 +49,29 @@ class Op:
     tolerance: Mapping[str, float] = field(default_factory=lambda: dict(TOLERANCE))
     in_place: bool = False
     copy_inputs: Optional[Callable] = None
+    unpack: Optional[Callable] = None
+    scale_tolerance: Optional[float] = None
 
     def max_rel_err(self, target, outputs, reference):
-        """Largest relative error over the outputs; NaN (which fails every check) on a mismatch."""
+        """Largest relative error over the outputs; NaN (which fails every check) on a mismatch.
+        With `scale_tolerance`, q's error alone, and scales over theirs raise (the check fails
+        with the error)."""
+        if self.unpack is not None:
+            outputs = self.unpack(outputs)
         if not isinstance(reference, tuple):
             outputs, reference = (outputs,), (reference,)
         if not isinstance(outputs, tuple) or len(outputs) != len(reference):
             return float("nan")
         errors = [target.rel_err(out, ref) for out, ref in zip(outputs, reference)]
-        return float("nan") if any(math.isnan(e) for e in errors) else max(errors)
+        if any(math.isnan(e) for e in errors):
+            return float("nan")
+        if self.scale_tolerance is not None and len(errors) > 1:
+            scales = max(errors[1:])
+            if not scales < self.scale_tolerance:
+                raise ValueError(f"scales: rel err {scales:.3g}, tolerance "
+                                 f"{self.scale_tolerance:g}")
+            errors = errors[:1]
+        return max(errors)
 
     def passes(self, dtype, rel_err):
         return rel_err < self.tolerance[dtype]  # False for NaN
@@ -166,6 +185,211 @@ def _quant_op(name, quant_dtype):
                        "torch": peers.on_host(peers.torch_rms_norm_quant(quant_dtype))}},
         tolerance={dtype: QUANT_TOLERANCE[quant_dtype] for dtype in TOLERANCE},
     )
+
+
+# ---- scaled quantisation, no xscale: one scale per group of columns, a static scale, the OCP MX
+# formats (MXFP8, MXFP4); run by name only ----
+
+GROUP, MX_BLOCK, E4M3_MAX = peers.GROUP, peers.MX_BLOCK, peers.E4M3_MAX
+E2M1_MAX = 6.0
+STATIC_SCALE = 0.025    # levels y / 0.025: a few hundred at most for these unit-rms rows, < 448
+# q (values) against the levels before rounding: 1.5x the rounding error (RNE) of each format on
+# these inputs, under the truncation's (e4m3 2.6% / 5.0%, int8 0.64% / 1.3%, e2m1 10.4% / 18.9%).
+SCALED_TOLERANCE = {"float8_e4m3fn": 4e-2, "int8": 1e-2, "mxfp8_e4m3": 4e-2, "mxfp4_e2m1": 1.5e-1}
+# the scales: float32 ones are within ~4e-7 of float64's; a power of two may flip where amax sits
+# within float32 rounding of one (one block flipped of the 4M in an MX 32768x4096 case: 5e-4); a
+# QMAX 1% off fails
+SCALES_TOLERANCE = 5e-3
+
+
+def _blocks(a, size):
+    """(M, N) as (M, N // size, size)."""
+    return a.reshape(a.shape[0], -1, size)
+
+
+def _frexp(a):
+    """(mantissa in [0.5, 1), exponent) of float64 a: exact, where log2 rounds to an integer
+    next to a power of two."""
+    if hasattr(a, "amax"):
+        import torch
+        return tuple(torch.frexp(a))
+    import numpy as np
+    return np.frexp(a)
+
+
+def _group_reference(quant_dtype, scale_format):
+    qmax = QMAX[quant_dtype]
+
+    def reference(target, x, weight, eps):
+        """(y / yscale, yscale) per group of 128 columns: q before rounding (clamped to +-QMAX
+        as q is); ue8m0: yscale rounded up to a power of two."""
+        y = _blocks(_rms_norm_reference(target, x, weight, eps), GROUP)
+        amax = _row_amax(y)
+        yscale = amax / qmax + (amax == 0)
+        if scale_format == "ue8m0":
+            mantissa, exponent = _frexp(yscale)
+            yscale = 2.0 ** target.float64(exponent - 1 + (mantissa > 0.5))
+        return (y / yscale).clip(-qmax, qmax).reshape(x.shape), yscale[..., 0]
+
+    return reference
+
+
+def _static_inputs(target, M, N, dtype, seed):
+    """The rms_norm inputs and the scale, a float32 (1,) array on x's device."""
+    import numpy as np
+
+    return _rms_norm_inputs(target, M, N, dtype, seed) + (
+        _from_host(target, np.full(1, STATIC_SCALE, np.float32)),)
+
+
+def _static_reference(target, x, weight, eps, scale):
+    """y / scale, clamped to +-448 as q is: q before rounding."""
+    y = _rms_norm_reference(target, x, weight, eps)
+    return (y / target.float64(scale)).clip(-E4M3_MAX, E4M3_MAX)
+
+
+def _mx_reference(fmt):
+    emax = peers.MX_EMAX[fmt]
+    fmax = E4M3_MAX if fmt == "mxfp8_e4m3" else E2M1_MAX
+
+    def reference(target, x, weight, eps):
+        """(y / 2**e, 2**e) per block of 32 columns, e = floor(log2(amax)) - emax clamped to
+        [-127, 127] (-127 for amax 0): the elements before rounding (saturated as they are)
+        and the E8M0 scales as values."""
+        y = _blocks(_rms_norm_reference(target, x, weight, eps), MX_BLOCK)
+        amax = _row_amax(y)
+        e = (_frexp(amax)[1] - 1 - emax - 1000 * (amax == 0)).clip(-127, 127)
+        scale = 2.0 ** target.float64(e)
+        return (y / scale).clip(-fmax, fmax).reshape(x.shape), scale[..., 0]
+
+    return reference
+
+
+@functools.lru_cache(maxsize=None)
+def _mx_tables():
+    """float64 values of each byte: e4m3fn, e2m1 pairs (low nibble first), E8M0."""
+    import ml_dtypes
+    import numpy as np
+
+    codes = np.arange(256, dtype=np.uint8)
+    e2m1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    e2m1 = np.concatenate((e2m1, -e2m1))
+    return {"mxfp8_e4m3": codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64),
+            "mxfp4_e2m1": np.stack((e2m1[codes & 15], e2m1[codes >> 4]), -1),
+            "e8m0": np.where(codes == 255, np.nan, 2.0 ** (codes - 127.0))}
+
+
+def _lookup(a, table):
+    """table[bits of a] (a of 1-byte elements, any dtype: torch's float8 / float4 / e8m0 or
+    uint8) on a's library and device."""
+    if hasattr(a, "amax"):
+        import torch
+        bits = a.view(torch.uint8)
+        return torch.as_tensor(table, device=bits.device)[bits.long()]
+    import numpy as np
+    return table[np.asarray(a).view(np.uint8)]
+
+
+def _mx_unpack(fmt):
+    def unpack(outputs):
+        """(elements, scales) as float64 values from their bits."""
+        q, scales = outputs
+        tables = _mx_tables()
+        values = _lookup(q, tables[fmt])
+        return values.reshape(values.shape[0], -1), _lookup(scales, tables["e8m0"])
+
+    return unpack
+
+
+def _column_major_checked(outputs):
+    """The outputs, once yscale is found column-major with its column stride M rounded up to
+    4 (DeepGEMM's layout): a row-major yscale is not what a DeepGEMM GEMM reads."""
+    q, yscale = outputs
+    m = yscale.shape[0]
+    if hasattr(yscale, "amax"):
+        strides = tuple(yscale.stride())
+    else:
+        strides = tuple(s // yscale.itemsize for s in yscale.strides)
+    expected = (1, m + -m % peers.COLUMN_PAD)
+    if any(n > 1 and s != w for n, s, w in zip(yscale.shape, strides, expected)):
+        raise ValueError(f"yscale strides {strides}, column-major expects {expected}")
+    return outputs
+
+
+def _group_quant_op(name, quant_dtype, scale_format="float32", scale_layout="row"):
+    spec = (quant_dtype, scale_format, scale_layout)
+    ours = peers.ours_rms_norm_quant_group(*spec)
+    deepgemm = scale_layout == "column"
+    extra = ", scale_format='ue8m0', scale_layout='column'" if deepgemm else ""
+    return Op(
+        name=name,
+        summary=f"(q, yscale) = rms_norm_quant(x, weight, eps, quant_dtype={quant_dtype!r}, "
+                f"group_size={GROUP}{extra}): one absmax scale per 1x{GROUP} group of columns "
+                f"(DeepSeek-V3's activation tiles), yscale float32 (M, N/{GROUP})"
+                + (" of powers of two, column-major with M padded to 4 (DeepGEMM)"
+                   if deepgemm else "")
+                + "; peers: the same formulas in float32 torch operators",
+        bytes_formula=f"M*N*e + N*e + M*N + M*N/{GROUP}*4 (read x and weight; write 8-bit q "
+                      f"and a float32 scale per group)",
+        bytes_moved=lambda M, N, e: M * N * e + N * e + M * N + M * (N // GROUP) * 4,
+        make_inputs=_rms_norm_inputs,
+        reference=_group_reference(quant_dtype, scale_format),
+        ours={"cuda": {"ours": ours}, "cpu": {"ours": ours}},
+        peers={"cuda": {"torch": peers.torch_rms_norm_quant_group(*spec),
+                        "torch_compile": peers.torch_compile_rms_norm_quant_group(*spec)},
+               "cpu": {"numpy": peers.numpy_rms_norm_quant_group(*spec),
+                       "torch": peers.on_host(peers.torch_rms_norm_quant_group(*spec))}},
+        tolerance=dict.fromkeys(TOLERANCE, SCALED_TOLERANCE[quant_dtype]),
+        unpack=_column_major_checked if deepgemm else None,
+        scale_tolerance=SCALES_TOLERANCE,
+    )
+
+
+def _mx_op(name, fmt):
+    ours = peers.ours_rms_norm_quant_mx(fmt)
+    fp4 = fmt == "mxfp4_e2m1"
+    q_bytes = "M*N/2" if fp4 else "M*N"
+    return Op(
+        name=name,
+        summary=f"(q, scales) = rms_norm_quant(x, weight, eps, quant_dtype={fmt!r}): OCP MX, "
+                f"an E8M0 scale byte per block of {MX_BLOCK} columns (M, N/{MX_BLOCK}), "
+                + ("e2m1 elements packed two to a byte (M, N/2)" if fp4 else
+                   "e4m3 elements (M, N)")
+                + "; peers: the same formulas in float32 torch operators",
+        bytes_formula=f"M*N*e + N*e + {q_bytes} + M*N/{MX_BLOCK} (read x and weight; write "
+                      f"{'4-bit' if fp4 else '8-bit'} q and a scale byte per block)",
+        bytes_moved=lambda M, N, e: (M * N * e + N * e + (M * N // 2 if fp4 else M * N)
+                                     + M * N // MX_BLOCK),
+        make_inputs=_rms_norm_inputs,
+        reference=_mx_reference(fmt),
+        ours={"cuda": {"ours": ours}, "cpu": {"ours": ours}},
+        peers={"cuda": {"torch": peers.torch_rms_norm_quant_mx(fmt),
+                        "torch_compile": peers.torch_compile_rms_norm_quant_mx(fmt)},
+               "cpu": {"numpy": peers.numpy_rms_norm_quant_mx(fmt),
+                       "torch": peers.on_host(peers.torch_rms_norm_quant_mx(fmt))}},
+        tolerance=dict.fromkeys(TOLERANCE, SCALED_TOLERANCE[fmt]),
+        unpack=_mx_unpack(fmt),
+        scale_tolerance=SCALES_TOLERANCE,
+    )
+
+
+_QUANT_STATIC = Op(
+    name="quant_static",
+    summary=f"q = rms_norm_quant(x, weight, eps, quant_dtype='float8_e4m3fn', scale=s): a static "
+            f"per-tensor scale, s a float32 (1,) array on x's device (here {STATIC_SCALE}); peers: "
+            f"the same formula in float32 torch operators",
+    bytes_formula="M*N*e + N*e + 4 + M*N (read x, weight and the scale; write 8-bit q)",
+    bytes_moved=lambda M, N, e: M * N * e + N * e + 4 + M * N,
+    make_inputs=_static_inputs,
+    reference=_static_reference,
+    ours={"cuda": {"ours": peers.ours_rms_norm_quant_static},
+          "cpu": {"ours": peers.ours_rms_norm_quant_static}},
+    peers={"cuda": {"torch": peers.torch_rms_norm_quant_static,
+                    "torch_compile": peers.torch_compile_rms_norm_quant_static},
+           "cpu": {"numpy": peers.numpy_rms_norm_quant_static,
+                   "torch": peers.on_host(peers.torch_rms_norm_quant_static)}},
+    tolerance=dict.fromkeys(TOLERANCE, SCALED_TOLERANCE["float8_e4m3fn"]),
+)
 
 
 _FUSED = Op(
@@ -479,7 +703,14 @@ OPS = {
     "qk_rope": _qk_op("qk_rope", rope=True),
     "gated": _GATED,
     "gated_bwd": _GATED_BWD,
+    "quant_group": _group_quant_op("quant_group", "float8_e4m3fn"),
+    "quant_group_ue8m0": _group_quant_op("quant_group_ue8m0", "float8_e4m3fn", "ue8m0", "column"),
+    "quant_group_int8": _group_quant_op("quant_group_int8", "int8"),
+    "quant_static": _QUANT_STATIC,
+    "mxfp8": _mx_op("mxfp8", "mxfp8_e4m3"),
+    "mxfp4": _mx_op("mxfp4", "mxfp4_e2m1"),
 }
-# `--op all` runs these in order; fused_inplace, qk, qk_rope, gated and gated_bwd only when named
-# (`--op`, `--decode --ops`)
+# `--op all` runs these in order; fused_inplace, qk, qk_rope, gated, gated_bwd and the scaled
+# quantisation ops (quant_group, quant_group_ue8m0, quant_group_int8, quant_static, mxfp8, mxfp4)
+# only when named (`--op`, `--decode --ops`)
 ALL = ("fwd", "bwd", "bwd_dres", "fused", "quant", "quant_fp8")

@@ -651,3 +651,243 @@ def numpy_rms_norm_gated_backward():
                 (dyf * g_hat).sum(0).astype(weight.dtype))
 
     return backward
+
+
+# ---- scaled quantisation, no xscale: one scale per group of columns, a static scale, the OCP
+# MX formats: (x, weight, eps[, scale]) -> (q, scales), static: q ----
+
+GROUP = 128                 # DeepSeek-V3's 1x128 activation tiles
+COLUMN_PAD = 4              # DeepGEMM's column-major scales: each column M rounded up to this
+MX_BLOCK = 32
+MX_EMAX = {"mxfp8_e4m3": 8, "mxfp4_e2m1": 2}     # the element format's largest power of two
+E4M3_MAX = 448.0
+# e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: the midpoints between neighbours, and whether a tie
+# goes up (to the even code); the count of midpoints passed is the 3-bit code, 7 past 5 (saturating)
+E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                  (3.5, True), (5.0, False))
+
+
+def ours_rms_norm_quant_group(quant_dtype, scale_format="float32", scale_layout="row"):
+    def factory():
+        import rmsnorm_hip
+
+        def quant(x, weight, eps):
+            return rmsnorm_hip.rms_norm_quant(x, weight, eps, quant_dtype=quant_dtype,
+                                              group_size=GROUP, scale_format=scale_format,
+                                              scale_layout=scale_layout)
+
+        return quant
+
+    return factory
+
+
+def ours_rms_norm_quant_static():
+    import rmsnorm_hip
+
+    def quant(x, weight, eps, scale):
+        return rmsnorm_hip.rms_norm_quant(x, weight, eps, quant_dtype="float8_e4m3fn",
+                                          scale=scale)
+
+    return quant
+
+
+def ours_rms_norm_quant_mx(fmt):
+    def factory():
+        import rmsnorm_hip
+
+        def quant(x, weight, eps):
+            return rmsnorm_hip.rms_norm_quant(x, weight, eps, quant_dtype=fmt)
+
+        return quant
+
+    return factory
+
+
+def _torch_norm_f32(x, weight, eps):
+    import torch
+
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def _torch_pow2_ceil(s):
+    """2**ceil(log2(s)) of positive float32 s, exact: the mantissa carried into the exponent
+    (float32 log2 of s just above a power of two rounds to the integer, and ceil misses)."""
+    import torch
+
+    return ((s.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+
+
+def _torch_column_major(scales):
+    """(M, groups) scales as a view of a (groups, M rounded up to 4) buffer: DeepGEMM's layout."""
+    m, groups = scales.shape
+    buf = scales.new_empty((groups, m + -m % COLUMN_PAD))
+    buf[:, :m] = scales.t()
+    return buf[:, :m].t()
+
+
+def _group_quant_composite(quant_dtype, scale_format="float32", scale_layout="row"):
+    """RMSNorm, then one absmax scale per group of 128 columns in torch operators: the
+    per-token-group quantisation of DeepSeek-V3 serving after an unfused norm (no peer library
+    fuses the two on NVIDIA)."""
+    import torch
+
+    qmax, out_dtype = QMAX[quant_dtype], getattr(torch, quant_dtype)
+
+    def quant(x, weight, eps):
+        y = _torch_norm_f32(x, weight, eps).unflatten(-1, (-1, GROUP))
+        amax = y.abs().amax(-1, keepdim=True)
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / qmax)
+        if scale_format == "ue8m0":
+            scale = _torch_pow2_ceil(scale)
+        q = (y / scale).clamp(-qmax, qmax)
+        q = q.round().to(out_dtype) if quant_dtype == "int8" else q.to(out_dtype)
+        scale = scale.squeeze(-1)
+        return q.flatten(-2), _torch_column_major(scale) if scale_layout == "column" else scale
+
+    return quant
+
+
+def torch_rms_norm_quant_group(*spec):
+    return lambda: _group_quant_composite(*spec)
+
+
+def torch_compile_rms_norm_quant_group(*spec):
+    return lambda: _compiled(_group_quant_composite(*spec))
+
+
+def _static_quant_composite(x, weight, eps, scale):
+    import torch
+
+    y = _torch_norm_f32(x, weight, eps)
+    return (y / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def torch_rms_norm_quant_static():
+    return _static_quant_composite
+
+
+def torch_compile_rms_norm_quant_static():
+    return _compiled(_static_quant_composite)
+
+
+def _torch_e2m1_codes(v):
+    """e2m1 codes (uint8, sign 8) of float32 v: round to nearest even, saturating at 6."""
+    import torch
+
+    a = v.abs()
+    code = (v < 0).to(torch.uint8) * 8
+    for midpoint, tie_up in E2M1_MIDPOINTS:
+        code = code + ((a >= midpoint) if tie_up else (a > midpoint)).to(torch.uint8)
+    return code
+
+
+def _mx_composite(fmt):
+    """RMSNorm, then OCP MX quantisation in torch operators (as torchao's to_mx, after an
+    unfused norm): the block exponent floor(log2(amax)) read from amax's exponent bits (float32
+    log2 just below a power of two rounds up to the integer), v = y * 2**-e with 2**-e made from
+    bits too (exact, no exp2); fp4 pairs packed low nibble first."""
+    import torch
+
+    emax = MX_EMAX[fmt]
+
+    def quant(x, weight, eps):
+        y = _torch_norm_f32(x, weight, eps).unflatten(-1, (-1, MX_BLOCK))
+        amax = y.abs().amax(-1, keepdim=True)
+        e = ((amax.view(torch.int32) >> 23) - (127 + emax)).clamp(-127, 127)
+        v = (y * ((127 - e) << 23).view(torch.float32)).flatten(-2)
+        scales = (e + 127).to(torch.uint8).squeeze(-1)
+        if fmt == "mxfp8_e4m3":
+            return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scales
+        codes = _torch_e2m1_codes(v)
+        return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
+
+    return quant
+
+
+def torch_rms_norm_quant_mx(fmt):
+    return lambda: _mx_composite(fmt)
+
+
+def torch_compile_rms_norm_quant_mx(fmt):
+    return lambda: _compiled(_mx_composite(fmt))
+
+
+def _numpy_column_major(scales):
+    import numpy as np
+
+    m, groups = scales.shape
+    buf = np.empty((groups, m + -m % COLUMN_PAD), scales.dtype)
+    buf[:, :m] = scales.T
+    return buf[:, :m].T
+
+
+def numpy_rms_norm_quant_group(quant_dtype, scale_format="float32", scale_layout="row"):
+    def factory():
+        import ml_dtypes
+        import numpy as np
+
+        qmax = QMAX[quant_dtype]
+
+        def quant(x, weight, eps):
+            y = _numpy_rms_norm_f32(x, weight, eps)
+            y = y.reshape(y.shape[0], -1, GROUP)
+            amax = np.abs(y).max(-1, keepdims=True)
+            scale = np.where(amax == 0, np.float32(1), amax / np.float32(qmax))
+            if scale_format == "ue8m0":
+                scale = ((scale.view(np.int32) + 0x7FFFFF) & 0x7F800000).view(np.float32)
+            q = np.clip(y / scale, -qmax, qmax).reshape(x.shape)
+            q = np.rint(q).astype(np.int8) if quant_dtype == "int8" else \
+                q.astype(ml_dtypes.float8_e4m3fn)
+            scale = scale[..., 0]
+            return q, _numpy_column_major(scale) if scale_layout == "column" else scale
+
+        return quant
+
+    return factory
+
+
+def numpy_rms_norm_quant_static():
+    import ml_dtypes
+    import numpy as np
+
+    def quant(x, weight, eps, scale):
+        y = _numpy_rms_norm_f32(x, weight, eps)
+        return np.clip(y / scale, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+
+    return quant
+
+
+def _numpy_e2m1_codes(v):
+    """e2m1 codes (uint8, sign 8) of float32 v: round to nearest even, saturating at 6."""
+    import numpy as np
+
+    a = np.abs(v)
+    codes = (v < 0).astype(np.uint8) * np.uint8(8)
+    for midpoint, tie_up in E2M1_MIDPOINTS:
+        codes += (a >= midpoint) if tie_up else (a > midpoint)
+    return codes
+
+
+def numpy_rms_norm_quant_mx(fmt):
+    def factory():
+        import ml_dtypes
+        import numpy as np
+
+        emax = MX_EMAX[fmt]
+
+        def quant(x, weight, eps):
+            y = _numpy_rms_norm_f32(x, weight, eps)
+            y = y.reshape(y.shape[0], -1, MX_BLOCK)
+            amax = np.abs(y).max(-1, keepdims=True)
+            e = np.clip((amax.view(np.int32) >> 23) - (127 + emax), -127, 127)
+            v = (y * ((127 - e) << 23).astype(np.int32).view(np.float32)).reshape(x.shape)
+            scales = (e + 127).astype(np.uint8)[..., 0]
+            if fmt == "mxfp8_e4m3":
+                return np.clip(v, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn), scales
+            codes = _numpy_e2m1_codes(v)
+            return codes[:, 0::2] | (codes[:, 1::2] << 4), scales
+
+        return quant
+
+    return factory

@@ -38,6 +38,10 @@ CUDA_CASES = {
     # Mamba 2: M tokens x d_inner N (2 * d_model: 4096 for 2.7B-class models, 8192, 5120)
     "gated": _GATED,
     "gated_bwd": _GATED,
+    # the scaled quantised outputs at the SmoothQuant cases (N a multiple of the 128-column group)
+    **dict.fromkeys(("quant_group", "quant_group_ue8m0", "quant_group_int8", "quant_static",
+                     "mxfp8", "mxfp4"),
+                    tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192))),
 }
 # Smaller on the CPU, where a call takes milliseconds.
 _CPU_FWD = ((4096, 4096, "bfloat16"), (1024, 4096, "bfloat16"), (256, 8192, "bfloat16"),
@@ -407,8 +411,11 @@ def _parser():
                         help="fwd (default), bwd, bwd_dres (fused-add backward), fused, "
                              "fused_inplace, quant (SmoothQuant int8), quant_fp8, qk (QK-norm "
                              "in place: MxN = tokens x head size), qk_rope (QK-norm + neox "
-                             "RoPE), gated (Mamba 2 gated RMSNorm), gated_bwd, or all (fwd, "
-                             "bwd, bwd_dres, fused, quant, quant_fp8)")
+                             "RoPE), gated (Mamba 2 gated RMSNorm), gated_bwd, quant_group "
+                             "(fp8, a float32 scale per 128 columns), quant_group_ue8m0 (power-"
+                             "of-two scales, column-major: DeepGEMM), quant_group_int8, "
+                             "quant_static (fp8, static scale), mxfp8, mxfp4 (OCP MX), or all "
+                             "(fwd, bwd, bwd_dres, fused, quant, quant_fp8)")
     parser.add_argument("--shapes", nargs="+", metavar="MxN",
                         help="MxN, space or comma separated (default: the target's cases)")
     parser.add_argument("--dtypes", nargs="+", metavar="DTYPE",

@@ -157,7 +157,12 @@ def markdown(result):
 OP_TITLES = {"fwd": "rms_norm", "fused": "fused_add_rms_norm",
              "quant": "rms_norm_quant int8 (SmoothQuant)",
              "quant_fp8": "rms_norm_quant fp8 (SmoothQuant)", "bwd": "rms_norm_backward",
-             "bwd_dres": "rms_norm_backward, dresidual"}
+             "bwd_dres": "rms_norm_backward, dresidual",
+             "quant_group": "rms_norm_quant fp8, 1x128 groups",
+             "quant_group_ue8m0": "rms_norm_quant fp8, 1x128 groups, UE8M0 column-major",
+             "quant_group_int8": "rms_norm_quant int8, 1x128 groups",
+             "quant_static": "rms_norm_quant fp8, static scale",
+             "mxfp8": "rms_norm_quant MXFP8", "mxfp4": "rms_norm_quant MXFP4"}
 
 
 def summary_markdown(runs, shapes):

@@ -215,6 +215,43 @@ class GpuBackend:
                           self.arg(yscale, f32), m, strides, eps, weight_offset)
         self.launch(kernel, grid, block, args, self.stream_for(x))
 
+    def rms_norm_quant_fwd(self, x, residual, weight, xscale, q, residual_out, scales, m, n,
+                           strides, scale_strides, eps, weight_offset, quant, scaling, group):
+        """The quantised forward with scales per group, E8M0 MX scales or a static scale
+        (FwdSpec.scaling): ``scales`` is written ((row, group) element strides
+        ``scale_strides``), or read (static: its one float32).  ``strides``: row strides of
+        (x, residual, q, residual_out) in their own elements (fp4 q: bytes, N / 2 a row)."""
+        x_stride, r_stride, _, ro_stride = strides
+        pointers = 0
+        for info in (x, residual, weight, xscale, q, residual_out):
+            pointers |= info.ptr if info is not None else 0
+        vector = (self._rows_aligned(n, x.dtype, (x_stride, r_stride, ro_stride))
+                  and not pointers & _ALIGN_MASK)
+        has_residual = residual is not None
+        key = ("scaled", n, x.dtype, weight.dtype if weight is not None else "", vector,
+               has_residual, quant, xscale.dtype if xscale is not None else "",
+               weight_offset != 0.0,
+               vector and _config.fwd_stream(self.vendor, has_residual, quant, m, self.sm_count),
+               scaling, group)
+        plan = self._plans.get(key)
+        if plan is None:
+            spec = _config.fwd_spec(*key[1:4], vector, False, *key[5:10], vendor=self.vendor,
+                                    scaling=scaling, group=group)
+            kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
+            threads = spec.layout.threads * spec.rows
+            per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
+            plan = self._plans[key] = (spec, kernel, (spec.layout.threads, spec.rows, 1), per_sm)
+        spec, kernel, block, per_sm = plan
+        f32 = _dtypes.FLOAT32
+        args = fused_args(self.arg(x, x.dtype), self.arg(residual, x.dtype),
+                          self.arg(weight, f32), self.arg(xscale, f32), self.arg(q, q.dtype),
+                          self.arg(residual_out, x.dtype), self.arg(None, f32),
+                          self.arg(scales, scales.dtype), m, strides, eps, weight_offset)
+        if scaling in _config.GROUP_SCALINGS:
+            args += tuple(scale_strides)
+        grid = (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1)
+        self.launch(kernel, grid, block, args, self.stream_for(x))
+
     def fused_runner(self, io, shape, m, n, strides, dtype, weight_dtype, xscale_dtype,
                      has_residual, quant, return_rstd, in_place):
         """``run(x, residual, weight, xscale, eps, weight_offset) -> (y or q, residual_out, rstd,

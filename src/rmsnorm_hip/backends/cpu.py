@@ -256,6 +256,34 @@ class CpuBackend:
                 np.float32(eps), np.float32(weight_offset), rstd is not None)
         self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
+    def rms_norm_quant_fwd(self, x, residual, weight, xscale, q, residual_out, scales, m, n,
+                           strides, scale_strides, eps, weight_offset, quant, scaling, group):
+        """See GpuBackend.rms_norm_quant_fwd (same arguments)."""
+        x_stride, r_stride, q_stride, ro_stride = strides
+        fwd = self._kernel(cpu_rmsnorm.make_cpu_quant_fwd, x.dtype,
+                           weight.dtype if weight is not None else "", residual is not None,
+                           quant, xscale.dtype if xscale is not None else "", scaling, group)
+        q_width = n // 2 if quant == _dtypes.MXFP4 else n
+
+        def rows(info, stride, width=n):
+            return (rows_view(info, m, width, stride) if info is not None
+                    else _dummy(x.dtype, 2))
+
+        def vec(info):
+            return info.host if info is not None else _dummy(_dtypes.FLOAT32)
+
+        host = scales.host
+        if scaling == "static":
+            table = host.reshape(1, 1)
+        else:
+            table = np.lib.stride_tricks.as_strided(
+                host, shape=(m, n // group),
+                strides=tuple(s * host.itemsize for s in scale_strides))
+        args = (rows(x, x_stride), rows(residual, r_stride), vec(weight), vec(xscale),
+                rows(q, q_stride, q_width), rows(residual_out, ro_stride), table,
+                np.float32(eps), np.float32(weight_offset))
+        self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
+
     def qk_norm(self, q, k, q_weight, k_weight, q_out, k_out, positions, cache, geo, eps,
                 weight_offset):
         """See GpuBackend.qk_norm (same arguments)."""

@@ -131,14 +131,33 @@ def compile_code_objects(pyfunc, argtypes, archs, listing=True):
 
 def variant_code_objects(builder, spec, argtypes, archs, intr=None, listing=True):
     """:func:`compile_code_objects` of the kernel ``builder(intr, spec)``, from the disk cache
-    when it holds it."""
+    when it holds it.  An arch's own namespace (``intrinsics.load("hip", arch=...)``) compiles
+    for that arch only."""
     archs = tuple(archs)
-    key = (builder.__module__, builder.__name__, spec, tuple(map(str, argtypes)), archs, listing)
+    intr = intr or intrinsics.load("hip")
+    if "mx_hw_convert" in intr.features and not set(archs) <= intrinsics.MX_HW_ARCHS:
+        # its MX conversions would be linked, illegal, into the other arches' code objects
+        raise ValueError(f"the intrinsics of {sorted(intrinsics.MX_HW_ARCHS)} cannot compile "
+                         f"for {list(archs)}")
+    key = (builder.__module__, builder.__name__, spec, tuple(map(str, argtypes)), archs, listing,
+           intr.name, tuple(sorted(intr.features)))
 
     def build():
-        return compile_code_objects(builder(intr or intrinsics.load("hip"), spec), argtypes,
-                                    archs, listing)
+        return compile_code_objects(builder(intr, spec), argtypes, archs, listing)
     return _diskcache.cached("hsaco", key, build, encode=pickle.dumps, decode=pickle.loads)
+
+
+def is_mx(spec):
+    """Whether ``spec``'s kernel stores OCP MX elements (the only code that differs per arch)."""
+    return getattr(spec, "scaling", None) == "mx"
+
+
+def intrinsics_for(spec, arch, generic=None):
+    """The namespace that builds ``spec``'s kernel for ``arch``: ``arch``'s own for an MX kernel
+    (gfx950's converts the elements in hardware), else ``generic`` (default the generic one)."""
+    if is_mx(spec):
+        return intrinsics.load("hip", arch=arch)
+    return generic or intrinsics.load("hip")
 
 
 def kernel_name(metadata):
@@ -252,8 +271,9 @@ class HipBackend(GpuBackend):
     def compile(self, builder, spec, argtypes):
         # AMDGPU code objects are built for blocks of up to 1024 work items already (the VGPR
         # budget for 16 waves per CU; aot.block_vgpr_limit checks each variant)
+        intr = intrinsics_for(spec, self.arch, self.intrinsics)
         code_object, _, metadata = variant_code_objects(builder, spec, argtypes, (self.arch,),
-                                                        self.intrinsics, listing=False)[self.arch]
+                                                        intr, listing=False)[self.arch]
         name = builder.__name__
         entry = kernel_name(metadata)
         hip = self._hip

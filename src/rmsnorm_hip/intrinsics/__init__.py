@@ -32,7 +32,15 @@ Names every GPU namespace provides
 ``max_abs``                       maxnum(acc, |v|): a running max|v| that ignores NaN
 ``max_abs_nan`` (cuda, sim only)  max(acc, |v|) where a NaN wins, in one instruction: with it
                                   the quantiser rounds int8 levels by one fma (kernels/_rowops)
+``f32_to_e2m1``                    float4 e2m1 bits (uint32, low nibble), round-to-nearest-even,
+                                  saturating to +-6, NaN -> +-6 (MX says NaN in the scale)
 ``pack_e4m3x2``                    two float32 -> two e4m3fn levels in one uint32 (lo in bits 0-7)
+``mx_pack_e2m1x2``,                OCP MX element pairs: two float32 already in units of the block
+``mx_pack_e4m3x2``                 scale -> two e2m1 nibbles (lo in bits 0-3, hi in 4-7; rne,
+                                  saturating to +-6) / two e4m3fn bytes (lo in bits 0-7; rne,
+                                  saturating to +-448).  The shared encoders everywhere but
+                                  gfx950 (feature ``mx_hw_convert``: v_cvt_scalef32_pk_*), where
+                                  NaN gives -6 / -448 (its block's scale byte says NaN anyway)
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
                                   two <= warp), every lane gets the result (warp_max: NaN wins)
 ``atomic_add_f32``                 float32 atomic add at ``ptr[i]`` (no result; CUDA: PTX ``red``)
@@ -57,7 +65,8 @@ import functools
 COMMON = frozenset({
     "name", "warp", "gpu", "jitable", "features", "fma", "f32_as_u32", "u32_as_f32",
     "bf16_to_f32", "f32_to_bf16", "f16_to_f32", "f32_to_f16", "pack_bf16x2", "pack_f16x2",
-    "f32_to_i8", "f32_to_e4m3", "pack_e4m3x2", "max_nan", "warp_sum", "warp_max"})
+    "f32_to_i8", "f32_to_e4m3", "f32_to_e2m1", "pack_e4m3x2", "mx_pack_e2m1x2", "mx_pack_e4m3x2",
+    "max_nan", "warp_sum", "warp_max"})
 # what every GPU namespace adds
 GPU = COMMON | frozenset({
     "shared_alignment", "align_offset", "load_b128", "load_b128_stream", "store_b128",
@@ -67,7 +76,11 @@ GPU = COMMON | frozenset({
 FEATURES = {
     "gpu": GPU - COMMON,            # 128-bit and aligned accesses, barriers, atomics, launches
     "max_abs_nan": frozenset({"max_abs_nan"}),  # NaN-propagating max|v| in one instruction
+    "mx_hw_convert": frozenset(),   # mx_pack_* are the hardware's scaled conversions (gfx950)
 }
+# AMD arches whose namespace converts MX elements in hardware: LLVM also selects those
+# instructions for gfx942, where they are illegal, so the arch is chosen here, per build
+MX_HW_ARCHS = frozenset({"gfx950"})
 
 
 def check(namespace):
@@ -85,8 +98,10 @@ def check(namespace):
 
 
 @functools.lru_cache(maxsize=None)
-def load(name, warp=None):
-    """The intrinsics namespace of backend ``name`` (``warp`` only for the simulator)."""
+def load(name, warp=None, arch=None):
+    """The intrinsics namespace of backend ``name`` (``warp`` only for the simulator; ``arch``
+    only for AMD: an arch of MX_HW_ARCHS gets its own namespace, any other the generic one).
+    Code built with an arch's namespace is for that arch alone."""
     if name == "cuda":
         from . import cuda
         return check(cuda.build())
@@ -94,8 +109,10 @@ def load(name, warp=None):
         from . import sim
         return check(sim.build(warp or 32))
     if name == "hip":
+        if arch is not None and arch not in MX_HW_ARCHS:
+            return load("hip")      # the same object: its kernels share their helpers
         from . import hip
-        return check(hip.build())
+        return check(hip.build(arch))
     if name == "cpu":
         from . import cpu
         return check(cpu.build())

@@ -256,6 +256,48 @@ def define_hw_f16(intrinsic):
     return dict(f16_to_f32=f16_to_f32, f32_to_f16=f32_to_f16, pack_f16x2=pack_f16x2)
 
 
+def define_amd_mx_convert(intrinsic):
+    """``mx_pack_e2m1x2`` / ``mx_pack_e4m3x2`` through gfx950's ``v_cvt_scalef32_pk_fp4_f32`` /
+    ``v_cvt_scalef32_pk_fp8_f32`` (round to nearest even; the first source goes to the low
+    nibble / byte).  The values come pre-scaled, so the scale operand is 1.0.  Each input is
+    clamped first: the fp8 conversion does not saturate (448 < |v| would give NaN) and fp4's
+    overflow is undocumented.  gfx950 only: LLVM selects these for gfx942 too, without a word."""
+    f32, i16x2 = ir.FloatType(), ir.VectorType(ir.IntType(16), 2)
+
+    def clamped(context, builder, value, ty, limit):
+        fmax = _float_function(builder.module, "llvm.maxnum.f32", 2)
+        fmin = _float_function(builder.module, "llvm.minnum.f32", 2)
+        v = context.cast(builder, value, ty, types.float32)
+        v = builder.call(fmax, [v, ir.Constant(f32, -limit)])
+        return builder.call(fmin, [v, ir.Constant(f32, limit)])
+
+    def define_one(name, result, operands, limit, selector):
+        @intrinsic
+        def mx_pack(typingctx, lo, hi):
+            if not (isinstance(lo, types.Float) and isinstance(hi, types.Float)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                a, b = (clamped(context, builder, v, t, limit) for v, t in zip(args, sig.args))
+                fn = builder.module.globals.get(name) or ir.Function(
+                    builder.module, ir.FunctionType(result, operands), name)
+                # old = 0: the bits the instruction does not write stay zero
+                packed = builder.call(fn, [ir.Constant(result, None), a, b, ir.Constant(f32, 1.0),
+                                           selector])
+                return builder.bitcast(packed, I32)
+
+            return types.uint32(lo, hi), codegen
+
+        return mx_pack
+
+    return dict(
+        mx_pack_e2m1x2=define_one("llvm.amdgcn.cvt.scalef32.pk.fp4.f32", I32,
+                                  [I32, f32, f32, f32, I32], 6.0, ir.Constant(I32, 0)),
+        mx_pack_e4m3x2=define_one("llvm.amdgcn.cvt.scalef32.pk.fp8.f32", i16x2,
+                                  [i16x2, f32, f32, f32, ir.IntType(1)], 448.0,
+                                  ir.Constant(ir.IntType(1), 0)))
+
+
 def define_ptx_pack(intrinsic, instruction):
     """(lo, hi) float32 -> uint32 through one PTX ``cvt.rn.<16-bit>x2.f32`` (its first source
     operand lands in the upper half)."""

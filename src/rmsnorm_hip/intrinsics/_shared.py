@@ -1,7 +1,7 @@
 """Device helpers written once and compiled by every backend: 16-bit float codecs in integer
 arithmetic (numba-hip has no half types; integer RNE is bit-exact everywhere), the 8-bit
-quantised encoders (int8, float8 e4m3fn) and the butterfly reductions.  ``build`` binds them to
-one backend's bit casts, shuffle and ``jitable`` decorator.
+quantised encoders (int8, float8 e4m3fn, float4 e2m1) and the butterfly reductions.  ``build``
+binds them to one backend's bit casts, shuffle and ``jitable`` decorator.
 
 Integer constants carry explicit widths: the simulator runs these as NumPy scalars, where
 ``np.uint16(x) << 16`` would stay 16-bit (NEP 50), while compiled numba widens.
@@ -113,6 +113,27 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
         return f32_to_e4m3(lo) | (f32_to_e4m3(hi) << uint32(8))
 
     @jitable
+    def f32_to_e2m1(value):
+        """float4 e2m1 bits of a float32 (low 4 bits of a uint32): round to nearest even over
+        the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating to +-6 (infinities too); the sign
+        bit kept, so a negative value that rounds to 0 is -0; NaN -> +-6 (e2m1 has no NaN:
+        an MX block holding one says so in its scale).  The magnitude's code is the count of
+        rounding thresholds below it, ties (0.25, 0.75, ...) going to the even code."""
+        u = f32_as_u32(float32(value))
+        a = u32_as_f32(u & uint32(0x7FFFFFFF))
+        if a != a:
+            a = float32(6.0)
+        code = (uint32(a > float32(0.25)) + uint32(a >= float32(0.75))
+                + uint32(a > float32(1.25)) + uint32(a >= float32(1.75))
+                + uint32(a > float32(2.5)) + uint32(a >= float32(3.5)) + uint32(a > float32(5.0)))
+        return ((u >> uint32(28)) & uint32(0x8)) | code
+
+    @jitable
+    def mx_pack_e2m1x2(lo, hi):
+        """Two float4 e2m1 levels in one uint32 (lo in bits 0-3, hi in bits 4-7)."""
+        return f32_to_e2m1(lo) | (f32_to_e2m1(hi) << uint32(4))
+
+    @jitable
     def max_nan(a, b):
         """max(a, b) where a NaN wins, so a NaN row cannot hide behind a finite max."""
         if b > a or b != b:
@@ -139,5 +160,8 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
                            f16_to_f32=f16_to_f32, f32_to_f16=f32_to_f16,
                            pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2, f32_to_i8=f32_to_i8,
                            f32_to_e4m3=f32_to_e4m3, pack_e4m3x2=pack_e4m3x2,
+                           f32_to_e2m1=f32_to_e2m1, mx_pack_e2m1x2=mx_pack_e2m1x2,
+                           # MX e4m3 elements are plain e4m3fn levels of pre-scaled values
+                           mx_pack_e4m3x2=pack_e4m3x2,
                            max_nan=max_nan, warp_sum=warp_sum,
                            warp_max=warp_max)

@@ -48,7 +48,7 @@ def build():
     def f32_to_e4m3(value):  # the packed stores' instruction: one NaN pattern everywhere
         return pack_e4m3x2(value, float32(0.0)) & uint32(0xFF)
 
-    shared.update(quant, f32_to_e4m3=f32_to_e4m3)
+    shared.update(quant, f32_to_e4m3=f32_to_e4m3, mx_pack_e4m3x2=pack_e4m3x2)
     shared.update(row_barrier=_llvm.define_named_barrier(intrinsic))
     shared.update(load_b128_stream=_llvm.define_stream_load(intrinsic))
     compiled.update(_llvm.define_ptx_red(intrinsic))   # NVVM refuses atomicrmw fadd

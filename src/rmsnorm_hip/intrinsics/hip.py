@@ -27,7 +27,7 @@ from numba import hip, int32  # noqa: E402
 from numba.core.extending import register_jitable  # noqa: E402
 from numba.hip.extending import intrinsic  # noqa: E402
 
-from . import _llvm, _shared  # noqa: E402
+from . import MX_HW_ARCHS, _llvm, _shared  # noqa: E402
 
 WARP = 64
 
@@ -49,7 +49,9 @@ def _row_barrier(group, threads):
     hip.syncthreads()
 
 
-def build():
+def build(arch=None):
+    """The namespace for any AMD arch, or for ``arch`` alone where it converts MX elements in
+    hardware (intrinsics.MX_HW_ARCHS)."""
     compiled = _llvm.define(intrinsic)
     shared = vars(_shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
                                 _shfl_xor))
@@ -69,7 +71,11 @@ def build():
         atomic_add(ptr, idx + 3, d)
 
     shared.update(atomic_add_f32x4=atomic_add_f32x4)
-    return SimpleNamespace(features=frozenset({"gpu"}), name="hip", warp=WARP,
+    features = {"gpu"}
+    if arch in MX_HW_ARCHS:
+        shared.update(_llvm.define_amd_mx_convert(intrinsic))
+        features.add("mx_hw_convert")
+    return SimpleNamespace(features=frozenset(features), name="hip", warp=WARP,
                            shared_alignment=None,
                            gpu=hip, jitable=register_jitable, row_barrier=_row_barrier,
                            wait_prior_grids=_no_grid_dependency,

@@ -117,6 +117,12 @@ class FwdSpec:
     # silu(z) (norm_before_gate); with ``heads`` the rows are a row's groups of N columns, each
     # with its own slice of the weight
     gate: str = ""
+    # quantised rows' scales: "" one float32 yscale per row (dynamic); "group" one per ``group``
+    # columns, "ue8m0" the same rounded up to a power of two, "mx" an E8M0 byte per 32 columns
+    # (quant an MX format); "static" none written, q = y / s with s read from the yscale argument
+    scaling: str = ""
+    group: int = 0
+
 
     def __post_init__(self):
         if self.xscale and not self.quant:
@@ -133,11 +139,31 @@ class FwdSpec:
         if self.heads and (self.fused or self.stream):
             raise ValueError(f"FwdSpec: head rows are rms_norm's one-shot rows, got fused="
                              f"{self.fused}, stream={self.stream}")
+        grouped = self.scaling in GROUP_SCALINGS
+        if ((self.scaling and not self.quant) or (self.scaling not in SCALINGS)
+                or (self.scaling == "mx") != (self.quant in _dtypes.MX_DTYPES)
+                or bool(self.group) != grouped
+                or (grouped and not group_fits(self.group, self.layout.chunk))):
+            raise ValueError(f"FwdSpec: scaling {self.scaling!r} with quant {self.quant!r} and "
+                             f"group {self.group} (chunk {self.layout.chunk}) is not a variant")
 
     @property
     def fused(self):
         """Built with the fused signature (residual / quant / xscale) rather than rms_norm's."""
         return self.residual or bool(self.quant) or bool(self.xscale)
+
+
+SCALINGS = ("", "group", "ue8m0", "mx", "static")
+GROUP_SCALINGS = ("group", "ue8m0", "mx")
+# the columns of one scale (rms_norm_quant's group_size): a power of two whose chunks are a
+# power-of-two run of lanes within a warp (their max is one xor-butterfly)
+QUANT_GROUP_MIN, QUANT_GROUP_MAX = 16, 128
+
+
+def group_fits(group, chunk):
+    """Whether groups of ``group`` columns are whole runs of at most 32 chunks of ``chunk``
+    (every thread layout of a row then holds a group in consecutive lanes of one warp)."""
+    return group % chunk == 0 and 1 <= group // chunk <= 32 and group & (group - 1) == 0
 
 
 def fwd_kind(residual, quant):
@@ -154,7 +180,8 @@ def fwd_stream(vendor, residual, quant, m, sm_count):
 
 
 def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale="",
-             offset=True, stream=False, vendor="cuda", heads=False, gate=""):
+             offset=True, stream=False, vendor="cuda", heads=False, gate="", scaling="",
+             group=0):
     """The forward kernel a call runs (the dispatcher's only decision for the forward) on a
     ``vendor`` ("cuda" or "hip") GPU.  ``offset=False`` (weight_offset == 0) is a variant of the
     quantised rows only: their issue slots are the bound, and it saves one FADD per element
@@ -163,7 +190,7 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     loaded with the first row: (weight + offset) * xscale when quantised (fewer issue slots a
     row), weight + offset otherwise (the weight is read before the reduction, not after it: one
     memory latency a row, not two).  Every variant forms the same float32 factor, so the bits do
-    not depend on it."""
+    not depend on it.  ``scaling`` and ``group``: a quantised row's scales (FwdSpec)."""
     layout = quant_row_layout(n, dtype, vendor) if quant else row_layout(n, dtype)
     # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
     # exactly threads x chunks; not on AMD, where the branch-free row took the fp32 N = 4096
@@ -175,7 +202,8 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
                    xscale=xscale, exact=exact, offset=offset or not (quant and weight),
-                   stream=stream, held_weights=held, heads=heads, gate=gate)
+                   stream=stream, held_weights=held, heads=heads, gate=gate, scaling=scaling,
+                   group=group)
 
 
 def fwd_programs(spec, m, sm_count, resident_per_sm):

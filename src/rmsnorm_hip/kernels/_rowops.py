@@ -11,6 +11,7 @@ same result whichever form ran.
 """
 import functools
 
+import numpy as np
 from numba import float32, int8, int32, uint8, uint16, uint32, uint64
 
 from .. import _dtypes
@@ -436,7 +437,7 @@ RNE_MAGIC = 12582912.0
 
 
 @shared
-def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=True):
+def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=True, mx=False):
     """``store(ptr, start, col0, vals, slot, inv)``: ``vals[slot : slot + chunk] * inv`` quantised
     to ``dtype`` (int8 or float8_e4m3fn, one byte each) at ``ptr[start + col0 ...]``.  The vector
     form packs a chunk into one 8-byte (chunk 8) or 4-byte (chunk 4) store; the scalar form stores
@@ -446,7 +447,10 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=Tr
     ``fma_levels`` (int8): each level is the low byte of fma(v, inv, RNE_MAGIC), rne of the exact
     product in one FFMA, where the conversion took an FMUL and an F2I (a quarter-rate instruction
     on NVIDIA).  Only for products known finite and within +-127.5, which the caller checks per
-    row (a finite yscale from a max|t| that NaN cannot hide from); otherwise the converting form."""
+    row (a finite yscale from a max|t| that NaN cannot hide from); otherwise the converting form.
+
+    ``mx`` (e4m3fn): MXFP8 elements, through ``intr.mx_pack_e4m3x2`` (gfx950's scaled
+    conversion) rather than the plain quantiser's ``pack_e4m3x2``."""
     jitable = intr.jitable
     encode = codec(intr, dtype)[1]
     signed = dtype == _dtypes.INT8
@@ -456,13 +460,16 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=Tr
     # the scalar form's whole chunks go out as aligned 8- / 4-byte pieces where the address allows
     # (_config.scalar_shifted), where byte by byte each warp's store wrote 32 bytes over 256
     shifted = shifted and _shifted_access(intr)
-    pack_e4m3x2, f32_as_u32, fma = intr.pack_e4m3x2, intr.f32_as_u32, intr.fma
+    pack_e4m3x2 = intr.mx_pack_e4m3x2 if mx else intr.pack_e4m3x2
+    f32_as_u32, fma = intr.f32_as_u32, intr.fma
     magic = float32(RNE_MAGIC)
 
     @jitable
     def byte(vals, at, inv):
         if fused:
             return f32_as_u32(fma(vals[at], inv, magic)) & uint32(0xFF)
+        if mx:      # the pairs' conversion for single bytes too: one rounding per element
+            return pack_e4m3x2(vals[at] * inv, float32(0.0)) & uint32(0xFF)
         return uint32(encode(vals[at] * inv) & 0xFF)
 
     @jitable
@@ -505,18 +512,20 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=Tr
             if shifted and col0 + chunk <= n:
                 idx = start + col0
                 off = align_offset(ptr, idx)
+                w0 = word(vals, slot, inv)      # converted once, whichever stores follow
                 if chunk == 8:
+                    w1 = word(vals, slot + 4, inv)
                     if off & 7 == 0:
-                        store_b64(ptr, idx, word(vals, slot, inv), word(vals, slot + 4, inv))
+                        store_b64(ptr, idx, w0, w1)
                     else:
-                        store_word(ptr, idx, word(vals, slot, inv), off & 3)
-                        store_word(ptr, idx + 4, word(vals, slot + 4, inv), off & 3)
+                        store_word(ptr, idx, w0, off & 3)
+                        store_word(ptr, idx + 4, w1, off & 3)
                 else:
-                    store_word(ptr, idx, word(vals, slot, inv), off & 3)
+                    store_word(ptr, idx, w0, off & 3)
                 return
             for e in range(chunk):
                 if col0 + e < n:
-                    if fused:
+                    if fused or mx:
                         ptr[start + col0 + e] = level_bits(byte(vals, slot + e, inv))
                     elif signed:
                         ptr[start + col0 + e] = int8(encode(vals[slot + e] * inv))
@@ -524,3 +533,96 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=Tr
                         ptr[start + col0 + e] = uint8(encode(vals[slot + e] * inv))
 
     return store
+
+
+@shared
+def make_fp4_store(intr, chunk):
+    """``store(ptr, start, col0, vals, slot, inv)``: ``vals[slot : slot + chunk] * inv`` as
+    float4 e2m1 pairs at byte ``start + col0 // 2`` of a uint8 array, element 2i in the low
+    nibble: one 4-byte store (chunk 8; aligned, as q's rows are whole multiples of 16 bytes) or
+    two bytes (chunk 4)."""
+    pack_e2m1x2 = intr.mx_pack_e2m1x2
+    store_b32 = _gpu_only(intr, "store_b32")
+
+    @intr.jitable
+    def pair(vals, at, inv):
+        return pack_e2m1x2(vals[at] * inv, vals[at + 1] * inv)
+
+    @intr.jitable
+    def store(ptr, start, col0, vals, slot, inv):
+        idx = start + col0 // 2
+        if chunk == 8:
+            store_b32(ptr, idx, pair(vals, slot, inv) | (pair(vals, slot + 2, inv) << uint32(8))
+                      | (pair(vals, slot + 4, inv) << uint32(16))
+                      | (pair(vals, slot + 6, inv) << uint32(24)))
+        else:
+            ptr[idx] = uint8(pair(vals, slot, inv))
+            ptr[idx + 1] = uint8(pair(vals, slot + 2, inv))
+
+    return store
+
+
+_F32_MAX = float32(3.4028234663852886e38)
+
+
+@shared
+def make_group_scale(intr, scaling, quant):
+    """``scale_of(a) -> (stored, inv, pre)`` of a group whose max|y| is ``a`` (float32; NaN or
+    Inf where the group holds one): the scale as stored, and the factors its levels take,
+    q = rne(y * pre * inv) with ``pre`` 1 unless a subnormal scale needs y scaled by 2**64
+    first (its reciprocal would overflow).
+
+    - "group": yscale = a / QMAX (1 for an all-zero group, NaN for a non-finite one);
+    - "ue8m0": the least power of two p = 2**k >= 2**-127 with p * QMAX >= a, read from the
+      bits of a = m * 2**E and QMAX = m_q * 2**E_q (1 <= m, m_q < 2): k = E - E_q, plus 1 where
+      m > m_q (exact, no division; a zero or subnormal a takes the clamp); inv = 2**-k;
+    - "mx": E8M0 byte e + 127 with e = max(floor(log2 a) - emax, -127) read from a's exponent
+      field (0 for a zero or subnormal a: the clamp), 0xFF (NaN) for a non-finite a; inv = 2**-e
+      is a normal float32 for every e (2**8 .. 2**127).
+    - "static": ``scale_of(s)`` for the caller's scale s, the "group" form without its guards."""
+    f32_as_u32, u32_as_f32 = intr.f32_as_u32, intr.u32_as_f32
+    one, two64 = float32(1.0), float32(2.0 ** 64)
+    tiny, two_m127 = float32(2.0 ** -126), float32(2.0 ** -127)
+    qmax = float32(_dtypes.QMAX.get(quant, 1.0))
+    qmax_bits = int(np.float32(qmax).view(np.uint32))
+    qmax_exp = int32(qmax_bits >> 23)                    # biased: E - E_q needs no bias
+    qmax_mantissa = uint32(qmax_bits & 0x7FFFFF)
+    bias_emax = int32(127 + _dtypes.MX_EMAX.get(quant, 0))
+
+    @intr.jitable
+    def divided(s):
+        pre = two64 if s < tiny else one
+        return s, one / (s * pre), pre
+
+    @intr.jitable
+    def group(a):
+        s = a / qmax
+        if not a <= _F32_MAX:
+            s = a * float32(0.0)
+        elif s == float32(0.0):
+            s = one
+        return divided(s)
+
+    @intr.jitable
+    def ue8m0(a):
+        if not a <= _F32_MAX:
+            nan = a * float32(0.0)
+            return nan, nan, one
+        if a == float32(0.0):
+            return one, one, one
+        bits = f32_as_u32(a)
+        k = (int32(bits >> uint32(23)) - qmax_exp
+             + int32((bits & uint32(0x7FFFFF)) > qmax_mantissa))
+        k = max(k, int32(-127))
+        p = u32_as_f32(uint32(k + 127) << uint32(23)) if k > -127 else two_m127
+        return p, u32_as_f32(uint32(127 - k) << uint32(23)), one
+
+    @intr.jitable
+    def mx(a):
+        ebits = (f32_as_u32(a) >> uint32(23)) & uint32(0xFF)
+        if ebits == uint32(0xFF):
+            return uint8(0xFF), a * float32(0.0), one
+        e = max(int32(ebits) - bias_emax, int32(-127))
+        return uint8(e + 127), u32_as_f32(uint32(127 - e) << uint32(23)), one
+
+    return {"group": group, "ue8m0": ue8m0, "mx": mx, "static": divided}[scaling]

@@ -50,6 +50,8 @@ class Variant:
             flags = f"rstd={int(s.store_rstd)}"
             if getattr(s, "fused", False):
                 flags += (f":res={int(s.residual)}" + (f":q={s.quant}" if s.quant else "")
+                          + (f":{s.scaling}" if s.scaling else "")
+                          + (f":G={s.group}" if s.group else "")
                           + (f":xs={s.xscale}" if s.xscale else "")
                           + ("" if s.offset else ":offset=0"))
             flags += ":stream" if s.stream else ""
@@ -220,6 +222,39 @@ def gated_variants(ns=GATED_REPRESENTATIVE_N, vendor="cuda"):
                                       gated_bwd.argtypes(spec))
 
 
+# quantised rows with scales per group, MX or static: a multi-row block of 16-lane rows, one
+# cached row per block (the LLM widths; streamed where the vendor streams quantised rows), the
+# looped row
+QUANT_SCALED_REPRESENTATIVE_N = (128, 4096, 65536)
+# (quant, scaling, group) of each scaled format
+QUANT_SCALED_FORMATS = (
+    (_dtypes.FLOAT8_E4M3FN, "group", 128), (_dtypes.INT8, "group", 32),
+    (_dtypes.FLOAT8_E4M3FN, "ue8m0", 128), (_dtypes.INT8, "ue8m0", 16),
+    (_dtypes.FLOAT8_E4M3FN, "static", 0), (_dtypes.INT8, "static", 0),
+    (_dtypes.MXFP8, "mx", 32), (_dtypes.MXFP4, "mx", 32))
+
+
+def quant_scaled_variants(ns=QUANT_SCALED_REPRESENTATIVE_N, vendor="cuda"):
+    """Per dtype and path, every scaled format once, in the vector or the scalar form
+    alternately, with the residual, xscale, weight dtype and offset switches rotating over them
+    (and each kind streamed or not as its calls may be: _streams)."""
+    for d, dtype in enumerate(_dtypes.ACTIVATION_DTYPES):
+        weights = _weights(dtype)
+        for i, n in enumerate(ns):
+            for j, (quant, scaling, group) in enumerate(QUANT_SCALED_FORMATS):
+                k = d + i + j
+                residual = (i + j) % 2 == 1
+                xscale = (_dtypes.FLOAT32, "", dtype)[k % 3]
+                specs = dict.fromkeys(
+                    _config.fwd_spec(n, dtype, weights[k % len(weights)], k % 2 == 0, False,
+                                     residual, quant, xscale, k % 4 != 0, stream, vendor,
+                                     scaling=scaling, group=group)
+                    for stream in _streams(vendor, residual, quant))
+                for spec in specs:
+                    yield Variant("quant", rmsnorm_fwd.make_rmsnorm_fwd, spec,
+                                  rmsnorm_fwd.argtypes(spec))
+
+
 # QK-norm heads: the common head size, a two-warp float32 row (D = 256: 64 threads), and a
 # head of 80 (ragged against a power of two of threads)
 QK_REPRESENTATIVE_D = (80, 128, 256)
@@ -247,3 +282,4 @@ def variants(vendor="cuda"):
     yield from heads_variants(vendor=vendor)
     yield from gated_variants(vendor=vendor)
     yield from qk_variants(vendor=vendor)
+    yield from quant_scaled_variants(vendor=vendor)

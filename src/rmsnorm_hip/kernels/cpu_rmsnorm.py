@@ -12,7 +12,7 @@ import numpy as np
 from numba import float32
 
 from .. import _dtypes
-from ._rowops import codec
+from ._rowops import codec, make_group_scale
 
 LANES = 8
 
@@ -174,6 +174,64 @@ def make_cpu_fused_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dt
                     y[i, j] = encode(scale(h, j, r, weight, xscale, weight_offset))
 
     return fused_fwd
+
+def make_cpu_quant_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dtype, scaling,
+                       group):
+    """fwd(x, residual, weight, xscale, q, residual_out, scales, eps, weight_offset, lo, hi):
+    the quantised forward with scales per ``group`` columns ("group", "ue8m0", "mx") or a static
+    scale (``scales[0, 0]``), rows lo to hi (see kernels/rmsnorm_fwd.py, FwdSpec.scaling).  The
+    scale of a group and its factors are the GPU kernels' (_rowops.make_group_scale); y is formed
+    as in make_cpu_fused_fwd.  fp4 q holds two elements a byte, element 2i in the low nibble."""
+    decode, encode, _ = codec(intr, dtype)
+    element = _dtypes.MX_ELEMENT.get(quant, quant)
+    fp4 = element == _dtypes.MXFP4
+    encode_q = intr.f32_to_e2m1 if fp4 else codec(intr, element)[1]
+    row_sumsq = make_row_sumsq(intr, dtype)
+    scale = make_scale(intr, dtype, weight_dtype, xscale_dtype)
+    scale_of = make_group_scale(intr, scaling, quant)
+    max_nan = intr.max_nan
+    static = scaling == "static"
+    one = float32(1.0)
+
+    @intr.jitable
+    def level(v, inv, pre):
+        if pre == one:
+            return encode_q(v * inv)
+        return encode_q((v * pre) * inv)
+
+    @numba.njit(nogil=True, error_model="numpy")
+    def quant_fwd(x, residual, weight, xscale, q, residual_out, scales, eps, weight_offset, lo,
+                  hi):
+        n = x.shape[1]
+        size = n if static else group
+        for i in range(lo, hi):
+            h = x[i]
+            if has_residual:
+                for j in range(n):
+                    residual_out[i, j] = encode(decode(x[i, j]) + decode(residual[i, j]))
+                h = residual_out[i]
+            r = float32(1.0) / np.sqrt(row_sumsq(h, n) / float32(n) + eps)
+            for g0 in range(0, n, size):
+                if static:
+                    _, inv, pre = scale_of(scales[0, 0])
+                else:
+                    amax = float32(0.0)
+                    for j in range(g0, g0 + size):
+                        amax = max_nan(amax, abs(scale(h, j, r, weight, xscale, weight_offset)))
+                    stored, inv, pre = scale_of(amax)
+                    scales[i, g0 // size] = stored
+                if fp4:
+                    for j in range(g0, g0 + size, 2):
+                        lo_bits = level(scale(h, j, r, weight, xscale, weight_offset), inv, pre)
+                        hi_bits = level(scale(h, j + 1, r, weight, xscale, weight_offset), inv,
+                                        pre)
+                        q[i, j // 2] = lo_bits | (hi_bits << 4)
+                else:
+                    for j in range(g0, g0 + size):
+                        q[i, j] = level(scale(h, j, r, weight, xscale, weight_offset), inv, pre)
+
+    return quant_fwd
+
 
 BWD_GROUPS = 64   # row groups (dweight partial rows); a function of M only: deterministic
 

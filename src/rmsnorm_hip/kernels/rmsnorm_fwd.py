@@ -45,8 +45,10 @@ from numba import float32, int64, types, uint32
 
 from .. import _dtypes
 from ._config import FwdSpec
-from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_sumsq, make_quant_store,
-                      make_row_sum, make_row_sum_max, reduce_buffer_shape)
+from ._config import GROUP_SCALINGS
+from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_sumsq, make_fp4_store,
+                      make_group_scale, make_quant_store, make_row_sum, make_row_sum_max,
+                      reduce_buffer_shape)
 
 
 # Records the row pieces take, built once at the kernel's entry (numba named tuples: free after
@@ -57,8 +59,9 @@ Arrays = namedtuple("Arrays", "x residual weight xscale y residual_out rstd ysca
 # element offsets (row strides, or one row's starts) of the row-strided arrays; ``weight``: a
 # gated group's first column (0 otherwise)
 Offsets = namedtuple("Offsets", "x residual y residual_out z weight")
-# a call's arguments; ``heads`` (H) and ``head_strides`` (Offsets) for FwdSpec.heads rows
-Call = namedtuple("Call", "arrays strides m eps weight_offset heads head_strides")
+# a call's arguments; ``heads`` (H) and ``head_strides`` (Offsets) for FwdSpec.heads rows;
+# ``scale_strides`` (row, group) of a grouped quantised row's scales
+Call = namedtuple("Call", "arrays strides m eps weight_offset heads head_strides scale_strides")
 # a thread's scratch: its chunks of the row (h, or t when quantised), of residual, one chunk of
 # weight (or of the quantiser's gain g: load_gain) and of xscale, and the gains a streamed
 # program holds
@@ -74,8 +77,10 @@ def argtypes(spec: FwdSpec):
     weight_offset, heads, x_head_stride, z_head_stride, y_head_stride) (heads: the groups of a
     row, 1 for none); or for
     a fused spec (x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_row_stride,
-    residual_row_stride, y_row_stride, residual_out_row_stride, eps, weight_offset); y is q
-    (int8 / uint8 bits) when quantised."""
+    residual_row_stride, y_row_stride, residual_out_row_stride, eps, weight_offset[,
+    scale_row_stride, scale_group_stride] (grouped scales: FwdSpec.scaling)); y is q (int8 /
+    uint8 bits; MX: uint8, fp4 pairs at half x's row stride) when quantised, yscale the scales
+    (uint8 E8M0 for MX), or the static scale read at yscale[0]."""
     data = types.CPointer(_numba_storage(spec.dtype))
     weight = types.CPointer(_numba_storage(spec.weight or _dtypes.FLOAT32))
     f32 = types.CPointer(types.float32)
@@ -87,9 +92,13 @@ def argtypes(spec: FwdSpec):
         return (data, weight, data, f32, types.int64, types.int64, types.int64, types.float32,
                 types.float32) + heads
     xscale = types.CPointer(_numba_storage(spec.xscale or _dtypes.FLOAT32))
-    out = types.CPointer(_numba_storage(spec.quant)) if spec.quant else data
-    return ((data, data, weight, xscale, out, data, f32, f32)
-            + (types.int64,) * 5 + (types.float32, types.float32))
+    mx = spec.quant in _dtypes.MX_DTYPES
+    out = (types.CPointer(_numba_storage(_dtypes.UINT8 if mx else spec.quant)) if spec.quant
+           else data)
+    scales = types.CPointer(types.uint8) if mx else f32
+    grouped = (types.int64,) * 2 if spec.scaling in GROUP_SCALINGS else ()
+    return ((data, data, weight, xscale, out, data, f32, scales)
+            + (types.int64,) * 5 + (types.float32, types.float32) + grouped)
 
 
 def _numba_storage(dtype):
@@ -115,9 +124,18 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     accumulate = make_accumulate(intr, not cached)
     row_sum = make_row_sum(intr, threads)
     row_sum_max = make_row_sum_max(intr, threads)
+    scaling, group = spec.scaling, spec.group
+    group_scaled, static = scaling in GROUP_SCALINGS, scaling == "static"
+    group_lanes = group // chunk if group_scaled else 1
     # int8 levels by one fma where a NaN-propagating max|t| tells which rows may take it
-    fma_levels = quant == _dtypes.INT8 and "max_abs_nan" in intr.features
-    store_q = make_quant_store(intr, quant, chunk, n, spec.vector, fma_levels) if quant else None
+    fma_levels = quant == _dtypes.INT8 and "max_abs_nan" in intr.features and not scaling
+    element = _dtypes.MX_ELEMENT.get(quant, quant)
+    if element == _dtypes.MXFP4:
+        store_q = make_fp4_store(intr, chunk)
+    else:
+        store_q = (make_quant_store(intr, element, chunk, n, spec.vector, fma_levels,
+                                    mx=quant == _dtypes.MXFP8) if quant else None)
+    scale_of = make_group_scale(intr, scaling, quant) if scaling else None
     store_q_converted = (make_quant_store(intr, quant, chunk, n, spec.vector) if fma_levels
                          else store_q)
     load_x, store_y, load_w, load_s = x_io.load, x_io.store, w_io.load, s_io.load
@@ -125,9 +143,9 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     decode, encode, _ = codec(intr, spec.dtype)
     round_x = spec.dtype != _dtypes.FLOAT32     # float32 h needs no second rounding
     n_f32 = float32(n)
-    qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
+    qmax = float32(_dtypes.QMAX.get(quant, 1.0))
     one, two64, tiny = float32(1.0), float32(2.0 ** 64), float32(2.0 ** -126)
-    n_red = 2 if quant else 1                   # sum and max: one shared buffer each
+    n_red = 2 if quant and not scaling else 1   # sum and max: one shared buffer each
     stream, heads = spec.stream, spec.heads
     gate, grouped = spec.gate, spec.gate and spec.heads    # gated; group rows (own weights)
     # a chunk's silu(z) sits in sc.rvals (the residual's scratch: a gated row has none)
@@ -142,6 +160,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     residual_words = words if has_residual else 1
     load_words, words_to_floats = x_io.load_words, x_io.words_to_floats
     wait_prior_grids, release_dependents = intr.wait_prior_grids, intr.release_dependents
+    warp_max, max_nan = intr.warp_max, intr.max_nan
 
     @jitable
     def add_residual(vals, slot, rvals, rslot):
@@ -407,9 +426,82 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 quantise_row_through_y(call, at, tx, trips, r, one / (scale * pre), pre, sc)
 
     @jitable
+    def store_levels(call, at, col0, sc, slot, a, inv):
+        """q of a chunk of t: rne((t * a) * inv) with a = rstd * pre and inv from the scale
+        (make_group_scale), so y = t * rstd is formed first (one rounding, as y's max|y| was)
+        and a power-of-two scale's levels are exact scalings of it."""
+        for e in range(chunk):
+            sc.vals[slot + e] = sc.vals[slot + e] * a
+        store_q(call.arrays.y, at.y, col0, sc.vals, slot, inv)
+
+    @jitable
+    def group_scale(call, row, col0, here, r, sc, slot):
+        """(a, inv) of the chunk at sc.vals[slot:] (t) after its group's scale is found: its
+        max|t| over the group's lanes (one butterfly: a group is a run of lanes; every lane
+        takes it, rows past M too) times rstd, which is max|y| exactly (rounding is monotonic),
+        and the scale stored by the group's first lane."""
+        amax = float32(0.0)
+        if here:
+            for e in range(chunk):
+                amax = max_nan(amax, abs(sc.vals[slot + e]))
+        amax = warp_max(amax, group_lanes)
+        stored, inv, pre = scale_of(amax * r)
+        if here and col0 % group == 0:
+            strides = call.scale_strides
+            call.arrays.yscale[row * strides[0] + (col0 // group) * strides[1]] = stored
+        return r * pre, inv
+
+    @jitable
+    def quantise_scaled(call, at, row, live, tx, ty, trips, red, buf, sc):
+        """A quantised row with scales per group (or a static scale): its one reduction, the
+        sum of squares, then per chunk t = h * g, its group's scale and q.  Cached rows take
+        each step for all their chunks before the next, in loops small enough to unroll (one
+        loop kept the row in local memory on sm_90)."""
+        if static:
+            _, inv, pre = scale_of(call.arrays.yscale[0])     # read before the reduction
+        acc = sumsq_row(call, at, live, tx, trips, sc)
+        total = row_sum(acc, red, buf, ty, tx)
+        r = float32(1.0) / math.sqrt(total / n_f32 + call.eps)
+        if static:
+            a = r * pre
+        if cached:
+            muls = gpu.local.array(per_thread, float32)
+            invs = gpu.local.array(per_thread, float32)
+            for k in range(per_thread):
+                col0 = (tx + k * threads) * chunk
+                if live and (full or col0 < n):
+                    weigh_chunk(call, col0, sc, k * chunk)
+            if group_scaled:
+                for k in range(per_thread):
+                    col0 = (tx + k * threads) * chunk
+                    muls[k], invs[k] = group_scale(call, row, col0, live and (full or col0 < n),
+                                                   r, sc, k * chunk)
+            for k in range(per_thread):
+                col0 = (tx + k * threads) * chunk
+                if live and (full or col0 < n):
+                    if group_scaled:
+                        store_levels(call, at, col0, sc, k * chunk, muls[k], invs[k])
+                    else:
+                        store_levels(call, at, col0, sc, k * chunk, a, inv)
+            return
+        for k in range(trips):
+            col0 = (tx + k * threads) * chunk
+            here = live and (full or col0 < n)
+            if here:
+                reload_h(call, at, col0, sc, 0)
+                weigh_chunk(call, col0, sc, 0)
+            if group_scaled:
+                a, inv = group_scale(call, row, col0, here, r, sc, 0)
+            if here:
+                store_levels(call, at, col0, sc, 0, a, inv)
+
+    @jitable
     def normalise_row(call, at, row, live, tx, ty, trips, red, buf, sc):
         """A row from its chunks on (cached layouts: h in sc.vals, residual_out stored);
         ``red[buf:]`` takes its reduction."""
+        if scaling:
+            quantise_scaled(call, at, row, live, tx, ty, trips, red, buf, sc)
+            return
         if quant:
             quantise(call, at, row, live, tx, ty, trips, red, buf, sc)
             return
@@ -524,14 +616,15 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         # the plain forward has no residual, residual_out, xscale or yscale: None, strides 0
         run(Call(Arrays(x, None, weight, None, y, None, rstd, None, None),
                  Offsets(x_stride, int64(0), y_stride, int64(0), int64(0), int64(0)), m, eps,
-                 weight_offset, int64(1), None))
+                 weight_offset, int64(1), None, None))
 
     def rmsnorm_fwd_heads(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset, heads,
                           x_head_stride, y_head_stride):
         run(Call(Arrays(x, None, weight, None, y, None, rstd, None, None),
                  Offsets(x_stride, int64(0), y_stride, int64(0), int64(0), int64(0)), m, eps,
                  weight_offset, heads,
-                 Offsets(x_head_stride, int64(0), y_head_stride, int64(0), int64(0), int64(0))))
+                 Offsets(x_head_stride, int64(0), y_head_stride, int64(0), int64(0), int64(0)),
+                 None))
 
     def rmsnorm_gated_fwd(x, z, weight, y, rstd, m, x_stride, z_stride, y_stride, eps,
                           weight_offset, heads, x_head_stride, z_head_stride, y_head_stride):
@@ -539,16 +632,25 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                  Offsets(x_stride, int64(0), y_stride, int64(0), z_stride, int64(0)), m, eps,
                  weight_offset, heads,
                  Offsets(x_head_stride, int64(0), y_head_stride, int64(0), z_head_stride,
-                         int64(0))))
+                         int64(0)), None))
 
     def rmsnorm_fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                           r_stride, y_stride, ro_stride, eps, weight_offset):
         run(Call(Arrays(x, residual, weight, xscale, y, residual_out, rstd, yscale, None),
                  Offsets(x_stride, r_stride, y_stride, ro_stride, int64(0), int64(0)), m, eps,
-                 weight_offset, int64(1), None))
+                 weight_offset, int64(1), None, None))
+
+    def rmsnorm_group_quant_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m,
+                                x_stride, r_stride, y_stride, ro_stride, eps, weight_offset,
+                                scale_row_stride, scale_group_stride):
+        run(Call(Arrays(x, residual, weight, xscale, y, residual_out, rstd, yscale, None),
+                 Offsets(x_stride, r_stride, y_stride, ro_stride, int64(0), int64(0)), m, eps,
+                 weight_offset, int64(1), None, (scale_row_stride, scale_group_stride)))
 
     if gate:
         return rmsnorm_gated_fwd
+    if group_scaled:
+        return rmsnorm_group_quant_fwd
     if spec.fused:
         return rmsnorm_fused_fwd
     return rmsnorm_fwd_heads if heads else rmsnorm_fwd

@@ -1,0 +1,220 @@
+"""rms_norm_quant's scaled formats (docs/api.md): one scale per group of columns (float32 or
+UE8M0 powers of two, rows or DeepGEMM's column-major layout), a static scale, and the OCP MX
+formats MXFP8 / MXFP4.  Validation and allocation happen here, before any launch; the kernels are
+the quantised forward's row body (kernels/rmsnorm_fwd.py, FwdSpec.scaling)."""
+import math
+import operator
+import sys
+from collections import OrderedDict
+
+import numpy as np
+
+from . import _arrays, _dtypes, _validate, backends
+from .kernels import _config
+
+MX_FORMATS = _dtypes.MX_DTYPES
+SCALE_FORMATS = ("float32", "ue8m0")
+SCALE_LAYOUTS = ("row", "column")
+COLUMN_PAD = 4      # the column-major scales' column stride: M rounded up to this (DeepGEMM)
+# torch dtypes of the MX outputs, where the caller's torch has them (else uint8 bits)
+_TORCH_VIEWS = {"q" + _dtypes.MXFP8: "float8_e4m3fn", "q" + _dtypes.MXFP4: "float4_e2m1fn_x2",
+                "scales": "float8_e8m0fnu"}
+
+
+def wants_scaled(quant, group_size, scale_format, scale_layout, scale):
+    """Whether an rms_norm_quant call asks for anything but the per-row dynamic scale."""
+    return (quant in _dtypes.MX_DTYPES or group_size is not None or scale is not None
+            or not (isinstance(scale_format, str) and scale_format == "float32")
+            or not (isinstance(scale_layout, str) and scale_layout == "row"))
+
+
+def rms_norm_quant_scaled(fn, x, weight, eps, xscale, residual, quant, weight_offset, group_size,
+                          scale_format, scale_layout, scale, dtype):
+    """rms_norm_quant with group scales, a static scale or an MX format: (q, scales) or
+    (q, scales, residual_out); static: q or (q, residual_out)."""
+    from .functional import _rows_of_x, _vector_arg
+    reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
+    scaling, group = scheme(fn, quant, n, group_size, scale_format, scale_layout, scale)
+    ri, r_stride = None, n
+    if residual is not None:
+        ri = _arrays.describe(residual, "residual", reinterpret, fn)
+        r_stride = _validate.output(ri, xi, xi.shape, xi.dtype, fn, "residual",
+                                    writeable=False)[2]
+    wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
+    si = _vector_arg(xscale, "xscale", xi, n, reinterpret, fn)
+    eps = _validate.eps(eps, fn)
+    weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
+    static_i = _static_scale(scale, xi, fn) if scaling == "static" else None
+    backend = backends.for_array(xi, fn)
+
+    fp4 = quant == _dtypes.MXFP4
+    q_shape = xi.shape[:-1] + ((n // 2,) if fp4 else (n,))
+    q_dtype = _dtypes.UINT8 if quant in _dtypes.MX_DTYPES else quant
+    q, qi = _arrays.empty(xi, q_shape, q_dtype)
+    roi = _arrays.empty(xi, xi.shape, xi.dtype)[1] if ri is not None else None
+    scales = scales_i = None
+    scale_strides = (0, 0)
+    if static_i is not None:
+        scales_i = static_i
+    else:
+        groups = n // group
+        scale_dtype = _dtypes.UINT8 if scaling == "mx" else _dtypes.FLOAT32
+        if scale_layout == "column":
+            scales, scales_i, scale_strides = _column_major(xi, m, groups, scale_dtype, fn)
+        else:
+            scales, scales_i = _arrays.empty(xi, (m, groups), scale_dtype)
+            scale_strides = (groups, 1)
+    if m > 0:
+        strides = (x_stride, r_stride, q_shape[-1], n)
+        backend.rms_norm_quant_fwd(xi, ri, wi, si, qi, roi, scales_i, m, n, strides,
+                                   scale_strides, eps, weight_offset, quant, scaling, group)
+    q = _torch_view(qi.result(), "q" + quant)
+    out = (q,)
+    if static_i is None:
+        out += ((scales if scale_layout == "column" else
+                 _torch_view(scales_i.result(), "scales" if scaling == "mx" else "")),)
+    if roi is not None:
+        out += (roi.result(),)
+    return out[0] if len(out) == 1 else out
+
+
+def scheme(fn, quant, n, group_size, scale_format, scale_layout, scale):
+    """(FwdSpec.scaling, group) of a call, after checking its arguments agree."""
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"{fn}: scale_format must be 'float32' or 'ue8m0', got "
+                         f"{scale_format!r}")
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"{fn}: scale_layout must be 'row' or 'column', got {scale_layout!r}")
+    group = None if group_size is None else _group(group_size, n, fn)
+    if quant in _dtypes.MX_DTYPES:
+        block = _dtypes.MX_BLOCK
+        if n % block:
+            raise ValueError(f"{fn}: quant_dtype={quant!r} quantises blocks of {block} "
+                             f"columns: N must be a multiple of {block}, got N = {n}")
+        if group not in (None, block):
+            raise ValueError(f"{fn}: quant_dtype={quant!r} has blocks of {block} columns, "
+                             f"got group_size={group_size!r}")
+        if scale is not None or scale_format != "float32" or scale_layout != "row":
+            raise ValueError(f"{fn}: quant_dtype={quant!r} has its own E8M0 scales per block: "
+                             f"scale, scale_format and scale_layout do not apply, got "
+                             f"scale={_short(scale)}, scale_format={scale_format!r}, "
+                             f"scale_layout={scale_layout!r}")
+        return "mx", block
+    if scale is not None:
+        if group is not None or scale_format != "float32" or scale_layout != "row":
+            raise ValueError(f"{fn}: a static scale quantises the whole tensor: group_size, "
+                             f"scale_format and scale_layout do not apply, got group_size="
+                             f"{group_size!r}, scale_format={scale_format!r}, scale_layout="
+                             f"{scale_layout!r}")
+        return "static", 0
+    if group is None:
+        raise ValueError(f"{fn}: scale_format={scale_format!r} and scale_layout="
+                         f"{scale_layout!r} apply to group scales: give group_size")
+    return ("ue8m0" if scale_format == "ue8m0" else "group"), group
+
+
+def _group(value, n, fn):
+    lo, hi = _config.QUANT_GROUP_MIN, _config.QUANT_GROUP_MAX
+    try:
+        size = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        size = None
+    if size is None or not lo <= size <= hi or size & (size - 1) or n % size:
+        raise ValueError(f"{fn}: group_size must be a power of two from {lo} to {hi} that "
+                         f"divides N = {n}, got {value!r}")
+    return size
+
+
+def _short(value):
+    return type(value).__name__ if hasattr(value, "shape") else repr(value)
+
+
+# static scales given as Python numbers, as float32 arrays on the device that reads them: made
+# once per (library, device, value), so that repeat calls (and CUDA graph captures after one
+# eager call) copy nothing
+_scale_arrays = OrderedDict()
+_F32_MAX, _F32_TINY = 3.4028234663852886e38, 2.0 ** -149
+_MAX_SCALE_ARRAYS = 64
+
+
+def is_number(value):
+    return (isinstance(value, (int, float, np.floating, np.integer))
+            and not isinstance(value, bool))
+
+
+def scale_number(scale, fn):
+    """A static scale given as a number, as the float32 the kernel divides by (positive and
+    finite)."""
+    if not is_number(scale):
+        raise TypeError(f"{fn}: scale must be a number or a float32 array of one element, got "
+                        f"{type(scale).__name__}")
+    value = float(scale)    # plain Python (torch.compile traces this): no NumPy casts
+    if not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
+        raise ValueError(f"{fn}: scale must be a positive finite float32, got {scale!r}")
+    return value
+
+
+def _static_scale(scale, xi, fn):
+    """ArrayInfo of a static scale: a positive finite number, or a float32 array of one
+    element on x's device (its value is the caller's to keep positive and finite: reading it
+    would wait for the device)."""
+    if is_number(scale):
+        return _scale_array(xi, np.float32(scale_number(scale, fn)))
+    info = _arrays.describe(scale, "scale", None, fn)
+    _validate.same_place(info, xi, fn, "scale")
+    if info.dtype != _dtypes.FLOAT32 or math.prod(info.shape) != 1:
+        raise ValueError(f"{fn}: scale must be a float32 number or a float32 array of one "
+                         f"element, got {info.dtype} of shape {tuple(info.shape)}")
+    return info
+
+
+def _scale_array(xi, value):
+    if xi.device == _arrays.CPU:
+        host = np.full(1, value, np.float32)
+        return _arrays.describe(host, "scale")
+    key = (xi.lib, xi.device, xi.device_index, float(value))
+    info = _scale_arrays.get(key)
+    if info is None:
+        out, info = _arrays.empty(xi, (1,), _dtypes.FLOAT32)
+        if hasattr(out, "fill_"):
+            out.fill_(float(value))             # torch, on its current stream
+        elif hasattr(out, "fill"):
+            out.fill(value)                     # CuPy, simulated arrays
+        else:
+            out.copy_to_device(np.full(1, value, np.float32))
+        _scale_arrays[key] = info
+        while len(_scale_arrays) > _MAX_SCALE_ARRAYS:
+            _scale_arrays.popitem(last=False)
+    return info
+
+
+def _column_major(xi, m, groups, dtype, fn):
+    """(scales, ArrayInfo of its buffer, (row, group) strides): (M, groups) scales stored
+    column-major, each column M rounded up to COLUMN_PAD elements."""
+    pad = -(-m // COLUMN_PAD) * COLUMN_PAD
+    if xi.lib not in ("numpy", "torch", "cupy") and not _arrays.simulated():
+        raise ValueError(f"{fn}: scale_layout='column' returns a strided view of a padded "
+                         f"buffer, which NumPy, CuPy and torch arrays can be; x is a {xi.lib} "
+                         f"array")
+    buf, info = _arrays.empty(xi, (groups, pad), dtype)
+    if isinstance(buf, _arrays.SimulatedDeviceArray):
+        view = _arrays.SimulatedDeviceArray(buf.array[:, :m].T)
+    else:
+        view = buf[:, :m].T
+    return view, info, (1, pad)
+
+
+def torch_dtype(torch, what):
+    """The torch dtype of an MX output ("q" + format, "scales"): torch's own where it has it,
+    else uint8 (its bits); None for other outputs."""
+    name = _TORCH_VIEWS.get(what)
+    return None if name is None else getattr(torch, name, torch.uint8)
+
+
+def _torch_view(array, what):
+    """A torch caller's MX outputs in torch's own dtypes, where its torch has them."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(array, torch.Tensor):
+        return array
+    dtype = torch_dtype(torch, what)
+    return array if dtype is None else array.view(dtype)

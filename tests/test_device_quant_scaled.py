@@ -1,0 +1,149 @@
+"""The GPU tier for rms_norm_quant's scaled formats (mark ``device``): group scales (float32 and
+UE8M0, row- and column-major), static scales and MXFP8 / MXFP4 on a real GPU against the float64
+reference of tests/test_quant_scaled.py, outputs guarded (written in full where the poison can
+tell, nothing outside), misaligned copies (the scalar kernels) bitwise the aligned call, a row's
+q and scales bitwise whatever M (decode vs prefill batches), CuPy arrays, a static scale given
+as a number inside a CUDA graph, and torch.compile.
+
+    NUMBA_ENABLE_CUDASIM=0 python -m pytest -m device tests/test_device_quant_scaled.py
+
+Skipped (with the reason) where there is no CUDA GPU or the simulator is on.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import DTYPES, require_cuda_torch
+
+pytestmark = pytest.mark.device
+
+torch = require_cuda_torch()
+
+import rmsnorm_hip  # noqa: E402
+from _guard import guarded_outputs  # noqa: E402
+from rmsnorm_hip import torch as rt  # noqa: E402
+from test_device import raw, shifted_copy  # noqa: E402
+from test_quant_scaled import (BY_NAME, FORMATS, check, check_guards, make_x,  # noqa: E402
+                               random_array)
+
+# one element group / block; three groups of 128; decode and prefill widths; thousands of rows
+# (the streamed grid's programs walk many rows); the looped row
+SHAPES = [(1, 128), (7, 384), (32, 4096), (512, 5120), (4096, 4096), (3, 65536)]
+STATIC_SHAPES = [(1, 1), (7, 127), (333, 4097), (4096, 4096), (3, 65537)]
+
+
+def cuda(a):
+    if a is None:
+        return None
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).cuda()
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def numpy_result(fmt, result):
+    """The result tensors as the arrays a NumPy caller gets: float8 e4m3fn q as ml_dtypes, MX
+    outputs as uint8 bits, 16-bit and float32 ones as NumPy (strides kept)."""
+    parts = result if isinstance(result, tuple) else (result,)
+    mx = fmt.kwargs["quant_dtype"] in ("mxfp8_e4m3", "mxfp4_e2m1")
+    out = []
+    for t in parts:
+        if t.dtype == torch.float8_e4m3fn and not mx:
+            out.append(t.view(torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn))
+        elif t.element_size() == 1 and t.dtype != torch.int8:
+            out.append(t.view(torch.uint8).cpu().numpy())
+        elif t.dtype == torch.bfloat16:
+            out.append(t.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16))
+        else:
+            out.append(t.cpu().numpy())
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+def kwargs_on_gpu(fmt):
+    kwargs = dict(fmt.kwargs)
+    if isinstance(kwargs.get("scale"), np.ndarray):
+        kwargs["scale"] = cuda(kwargs["scale"])
+    return kwargs
+
+
+CASES = [(fmt, shape, dtype) for fmt in FORMATS
+         for shape in (SHAPES if fmt.scales else STATIC_SHAPES) for dtype in DTYPES]
+
+
+@pytest.mark.parametrize("fmt,shape,dtype", CASES, ids=str)
+def test_contract_guarded(fmt, shape, dtype):
+    rng = np.random.default_rng(shape[0] * 7 + shape[1])
+    x = make_x(rng, shape, dtype)
+    w = random_array(rng, shape[-1], dtype, loc=1.0, scale=0.5)
+    r = make_x(rng, shape, dtype) if shape[0] % 2 else None
+    with guarded_outputs() as guards:
+        result = rmsnorm_hip.rms_norm_quant(cuda(x), cuda(w), residual=cuda(r),
+                                            **kwargs_on_gpu(fmt))
+        torch.cuda.synchronize()
+    check_guards(guards, fmt, shape[0])
+    check(fmt, x, w, numpy_result(fmt, result), **({} if r is None else {"residual": r}))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scalar_twin_and_batch_invariance(fmt, dtype):
+    """The same rows from memory one element off 16 bytes (the scalar kernel) give the vector
+    kernel's bits; a row alone (decode) gives its bits in a batch of 4096 (prefill)."""
+    n = 4096
+    x = cuda(make_x(np.random.default_rng(1), (4096, n), dtype))
+    kwargs = kwargs_on_gpu(fmt)
+    batch = rmsnorm_hip.rms_norm_quant(x, **kwargs)
+    twin = rmsnorm_hip.rms_norm_quant(shifted_copy(x), **kwargs)
+    batch, twin = (o if isinstance(o, tuple) else (o,) for o in (batch, twin))
+    for a, b in zip(batch, twin):
+        assert torch.equal(raw(a), raw(b)), f"{fmt}: scalar twin differs"
+    for row in (0, 1, 4095):
+        alone = rmsnorm_hip.rms_norm_quant(x[row:row + 1].clone(), **kwargs)
+        alone = alone if isinstance(alone, tuple) else (alone,)
+        assert torch.equal(raw(alone[0][0]), raw(batch[0][row])), f"{fmt}: q of row {row}"
+        if fmt.scales:
+            assert torch.equal(raw(alone[1][0].contiguous()), raw(batch[1][row].contiguous()))
+
+
+def test_cupy_arrays():
+    cupy = pytest.importorskip("cupy")
+    fmt = BY_NAME["mxfp4"]
+    x = make_x(np.random.default_rng(2), (33, 4096), "float32")
+    q, scales = rmsnorm_hip.rms_norm_quant(cupy.asarray(x), **fmt.kwargs)
+    assert isinstance(q, cupy.ndarray) and q.dtype == np.uint8 and q.shape == (33, 2048)
+    check(fmt, x, None, (cupy.asnumpy(q), cupy.asnumpy(scales)))
+    fmt = BY_NAME["group128_fp8_ue8m0_column"]
+    q, scales = rmsnorm_hip.rms_norm_quant(cupy.asarray(x), **fmt.kwargs)
+    assert scales.strides == (4, 4 * 36)
+    check(fmt, x, None, (cupy.asnumpy(q).view(ml_dtypes.float8_e4m3fn), cupy.asnumpy(scales)))
+
+
+def test_static_number_in_a_cuda_graph():
+    """A static scale given as a number: after one eager call, a captured graph replays with
+    no copy, and gives the eager bits."""
+    x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    eager = rt.rms_norm_quant(x, w, quant_dtype="float8_e4m3fn", scale=0.01)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rt.rms_norm_quant(x, w, quant_dtype="float8_e4m3fn", scale=0.01)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(raw(captured), raw(eager))
+
+
+def test_torch_compile_on_cuda():
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def calls(x):
+        out = []
+        for fmt in FORMATS:
+            kwargs = kwargs_on_gpu(fmt)
+            result = rt.rms_norm_quant(x, **kwargs)
+            out += list(result) if isinstance(result, tuple) else [result]
+        return out
+
+    torch._dynamo.reset()
+    compiled = torch.compile(calls, fullgraph=True)(x)
+    for a, b in zip(compiled, calls(x)):
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+        assert torch.equal(raw(a), raw(b))
