@@ -118,8 +118,8 @@ def test_cupy_arrays():
 
 
 def test_static_number_in_a_cuda_graph():
-    """A static scale given as a number: after one eager call, a captured graph replays with
-    no copy, and gives the eager bits."""
+    """A static scale given as a number goes to the kernel by value: a captured graph holds
+    it, and replays the eager bits."""
     x = torch.randn(32, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
     eager = rt.rms_norm_quant(x, w, quant_dtype="float8_e4m3fn", scale=0.01)

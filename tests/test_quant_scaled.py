@@ -16,14 +16,18 @@ import numpy as np
 import pytest
 from _guard import guarded_outputs
 from conftest import (BFLOAT16, DTYPES, FLOAT16, FLOAT32, NUMPY, aligned_copy, assert_bitwise,
-                      assert_close, assert_levels_close, full_tier_except, random_array)
+                      assert_close, assert_levels_close, full_tier_except, quant_levels,
+                      random_array)
 from test_sim import launched_specs
 
 from rmsnorm_hip import backends, rms_norm_quant
+from rmsnorm_hip._numerics import pow2_scales_within_contract
 from rmsnorm_hip.kernels import _config
-from rmsnorm_hip.reference import E2M1_MAGNITUDES, rms_norm_quant_scaled_ref
+from rmsnorm_hip.reference import E2M1_MAGNITUDES, quantize_ref, rms_norm_quant_scaled_ref
 
 pytestmark = pytest.mark.quick
+
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
 @dataclass(frozen=True)
@@ -127,19 +131,54 @@ def check(fmt, x, w, result, **kwargs):
         if fmt.kwargs.get("scale_layout") == "column":
             pad = -(-m // 4) * 4
             assert scales.strides == (4, 4 * pad), scales.strides
-        if fmt.scales == "e8m0":
-            assert scales.dtype == np.uint8
-            assert_bitwise(scales, ref_scales, "E8M0 scales vs the reference")
-        else:
+        if fmt.scales == "float32":
             assert scales.dtype == np.float32
-            if fmt.scales == "exact":
-                assert_bitwise(scales, ref_scales.astype(np.float32), "UE8M0 scales")
-            else:
-                assert_close(scales, ref_scales, FLOAT32)
+            assert_close(scales, ref_scales, FLOAT32)
+            # the levels over the scales returned (what dequantises q): a subnormal float32
+            # scale keeps few bits of the reference's
+            ref_levels = levels_over(fmt, x, w, scales.astype(np.float64), kwargs)
+        else:
+            ref_levels = check_pow2_scales(fmt, x, w, scales, ref_scales, kwargs)
     assert_levels_close(q_values(q, fmt.element).reshape(m, n), ref_levels, fmt.element)
     if has_residual:
         assert residual_out.dtype == x.dtype and residual_out.shape == x.shape
         assert_bitwise(residual_out, ref_h.astype(x.dtype), "residual_out vs round(x + r)")
+
+
+def scale_values(fmt, scales):
+    """Power-of-two scales as float64 values (E8M0 bytes: 2**(byte - 127), 0xFF NaN)."""
+    s = np.asarray(scales)
+    if fmt.scales == "e8m0":
+        return np.where(s == 0xFF, np.nan, 2.0 ** (s.astype(np.float64) - 127))
+    return s.astype(np.float64)
+
+
+def check_pow2_scales(fmt, x, w, scales, ref_scales, kwargs):
+    """UE8M0 / E8M0 scales equal to the reference's (the neighbouring power only where max|y|
+    lies within float32 rounding of a power-of-two boundary); returns the reference levels
+    y / scale over the scales the call returned."""
+    assert scales.dtype == (np.uint8 if fmt.scales == "e8m0" else np.float32)
+    y = reference_y(fmt, x, w, kwargs)
+    m, n = y.shape
+    amax = np.abs(y.reshape(m, n // fmt.group, fmt.group)).max(axis=-1)
+    got = scale_values(fmt, scales)
+    divisor = 1.0 if fmt.scales == "e8m0" else QMAX[fmt.kwargs["quant_dtype"]]
+    ok, differ = pow2_scales_within_contract(got, scale_values(fmt, ref_scales), amax, divisor)
+    assert ok, f"{fmt}: {differ} power-of-two scales differ from the reference's"
+    return levels_over(fmt, x, w, got, kwargs)
+
+
+def reference_y(fmt, x, w, kwargs):
+    """The reference's y (M, N) in float64 (its levels at scale 1)."""
+    ref_kwargs = {k: v for k, v in fmt.kwargs.items() if k not in ("scale_layout", "scale")}
+    return rms_norm_quant_scaled_ref(x, w, scale=1.0, **ref_kwargs, **kwargs)[0]
+
+
+def levels_over(fmt, x, w, scales64, kwargs):
+    """The reference's y / scale per group over the given float64 scales (M, N // G)."""
+    y = reference_y(fmt, x, w, kwargs)
+    m, n = y.shape
+    return (y.reshape(m, n // fmt.group, fmt.group) / scales64[..., None]).reshape(m, n)
 
 
 CASES = [(fmt, shape, DTYPES[i % 3]) for fmt in FORMATS
@@ -262,6 +301,76 @@ def test_mx_nan_rows(rng, fmt, bad):
     for r in (0, 1, 3):
         assert_bitwise(q[r], clean[0][r], f"q row {r} beside a {bad} row")
         assert_bitwise(scales[r], clean[1][r], f"scales row {r} beside a {bad} row")
+
+
+TINY_FORMATS = ["group32_int8", "group16_int8_ue8m0", "mxfp8", "mxfp4"]
+
+
+def tiny_block_rows(rng):
+    """float32 rows of normal values with one block of 32 subnormal ones (1e-39 to 2e-39): its
+    group scale is subnormal (y taken through 2**64 first), UE8M0 and E8M0 exponents clamp at
+    -127 with max|y| non-zero."""
+    x = make_x(rng, (3, 128), FLOAT32)
+    signs = np.where(rng.random(32) < 0.5, -1.0, 1.0)
+    x[1, 32:64] = (signs * rng.uniform(1e-39, 2e-39, 32)).astype(np.float32)
+    return x
+
+
+def check_tiny(fmt, x, result):
+    """The normal rows by the contract; the row with subnormal y (a few bits each) within one
+    level of the reference over the scales returned."""
+    q, scales = result[:2]
+    normal = [0, 2]
+    check(fmt, x[normal], None, (q[normal], scales[normal]))
+    got = quant_levels(q_values(q[1:2], fmt.element), fmt.element)
+    scales64 = (scale_values(fmt, scales[1:2]) if fmt.scales != "float32"
+                else scales[1:2].astype(np.float64))
+    want = quant_levels(quantize_ref(levels_over(fmt, x[1:2], None, scales64, {}), fmt.element),
+                        fmt.element)
+    assert np.abs(got.reshape(want.shape) - want).max() <= 1
+
+
+@pytest.mark.parametrize("name", TINY_FORMATS)
+def test_tiny_blocks(rng, name):
+    fmt = BY_NAME[name]
+    x = tiny_block_rows(rng)
+    result = rms_norm_quant(x, **fmt.kwargs)
+    check_tiny(fmt, x, result)
+    scales = result[1]
+    g = fmt.group
+    tiny = scales[1, 32 // g]
+    if fmt.scales == "e8m0":
+        assert tiny == 0                           # e clamped at -127, the block not zero
+    elif fmt.scales == "exact":
+        assert tiny == np.float32(2.0 ** -127)
+    else:
+        assert 0 < tiny < np.float32(2.0 ** -126)  # subnormal: levels through 2**64
+
+
+@pytest.mark.sim
+def test_sim_tiny_blocks_and_nan_rows(rng, monkeypatch):
+    """The GPU kernel on the clamped and subnormal scales (bitwise the CPU's where the
+    formats' scales are powers of two) and on a NaN row (MX: its scales 0xFF, the other rows
+    bitwise those of the clean call)."""
+    cpu = {name: rms_norm_quant(tiny_block_rows(np.random.default_rng(5)),
+                                **BY_NAME[name].kwargs) for name in TINY_FORMATS}
+    _sim(monkeypatch)
+    for name in TINY_FORMATS:
+        fmt = BY_NAME[name]
+        x = tiny_block_rows(np.random.default_rng(5))
+        result = tuple(_host(a) for a in rms_norm_quant(x, **fmt.kwargs))
+        check_tiny(fmt, x, result)
+        if fmt.scales != "float32":
+            assert_bitwise(result[1], cpu[name][1], f"{name}: simulator vs CPU scales")
+    fmt = BY_NAME["mxfp4"]
+    x = make_x(rng, (3, 64), BFLOAT16)
+    clean = tuple(_host(a) for a in rms_norm_quant(x, **fmt.kwargs))
+    x[1, 5] = np.nan
+    q, scales = (_host(a) for a in rms_norm_quant(x, **fmt.kwargs))
+    assert np.all(scales[1] == 0xFF)
+    for r in (0, 2):
+        assert_bitwise(q[r], clean[0][r], f"q row {r} beside a NaN row")
+        assert_bitwise(scales[r], clean[1][r], f"scales row {r} beside a NaN row")
 
 
 def test_e2m1_encoder_grid():
@@ -406,6 +515,7 @@ def _host(a):
 SIM_CASES = [
     ("group128_fp8", (3, 4096), BFLOAT16, "stream"),
     ("group16_int8_ue8m0", (5, 128), FLOAT32, "multirow"),
+    ("group128_fp8", (3, 256), FLOAT32, "multirow"),          # 32-lane groups
     ("group64_int8_column", (3, 256), FLOAT16, "scalar"),
     ("static_int8_array", (3, 256), BFLOAT16, "scalar"),
     ("static_fp8", (5, 128), FLOAT16, "multirow"),
@@ -466,13 +576,26 @@ def test_sim_batch_invariant(rng, monkeypatch):
         assert_bitwise(s1[0], scales[r], f"scales row {r} alone vs in the batch")
 
 
-def test_group_sizes_fit_every_layout():
-    """Every group size the API takes is a run of <= 32 lanes for both chunk widths, so every
-    row layout holds a group within one warp (kernels/_config.group_fits)."""
-    for g in (16, 32, 64, 128):
-        for chunk in (4, 8):
-            assert _config.group_fits(g, chunk)
-    assert not _config.group_fits(256, 4) and not _config.group_fits(8, 8 * 2)
+@pytest.mark.parametrize("vendor,warp", [("cuda", 32), ("hip", 64)])
+def test_groups_are_runs_of_lanes_in_every_layout(vendor, warp):
+    """For every group size the API takes and N it divides (up to the looped rows), every
+    dtype's quantised row layout puts each group's chunks on consecutive lanes of one warp,
+    the same for every chunk of a thread: what the kernel's one butterfly per chunk needs."""
+    for dtype in DTYPES:
+        for g in (16, 32, 64, 128):
+            for n in sorted({g, 3 * g, 4096, 5120, 8192, 24576, 65536}):
+                if n % g:
+                    continue
+                layout = _config.quant_row_layout(n, dtype, vendor)
+                lanes = g // layout.chunk
+                assert _config.group_fits(g, layout.chunk)
+                for k in range(layout.chunks_per_thread):
+                    chunks = np.arange(layout.threads) + k * layout.threads
+                    group_of = chunks // lanes
+                    for t0 in range(0, layout.threads, lanes):     # a group's lanes ...
+                        run = group_of[t0:t0 + lanes]
+                        assert np.all(run == run[0]), (dtype, g, n, k, t0)
+                        assert t0 // warp == (t0 + lanes - 1) // warp   # ... in one warp
 
 
 # ---- the torch custom op ------------------------------------------------------------------------
@@ -540,3 +663,46 @@ def test_torch_compile_fullgraph_bitwise_eager(rng):
         assert_bitwise(a.view(torch.uint8).numpy() if a.element_size() == 1 else a.numpy(),
                        b.view(torch.uint8).numpy() if b.element_size() == 1 else b.numpy(),
                        "compiled vs eager")
+
+
+@pytest.mark.parametrize("scaling,quant", [("ue8m0", "int8"), ("ue8m0", "float8_e4m3fn"),
+                                           ("mx", "mxfp8_e4m3"), ("mx", "mxfp4_e2m1")])
+def test_power_of_two_scales_at_their_boundaries(scaling, quant):
+    """The kernels' scale of a group from its float32 max|y| (kernels/_rowops.make_group_scale,
+    compiled for the CPU) against the formula in float64, on max|y| exactly at, one float32
+    step around and between the powers of two (times QMAX for UE8M0) over the whole exponent
+    range, subnormals and 0 included: the one place where a boundary is decided."""
+    import numba
+
+    from rmsnorm_hip import intrinsics
+    from rmsnorm_hip.kernels._rowops import make_group_scale
+    scale_of = make_group_scale(intrinsics.load("cpu"), scaling, quant)
+
+    @numba.njit
+    def scales(amax, stored, inv):
+        for i in range(amax.size):
+            s, v, _ = scale_of(amax[i])
+            stored[i] = s
+            inv[i] = v
+
+    base = QMAX.get(quant, 1.0)
+    with np.errstate(over="ignore"):
+        exact = np.float32(base) * (2.0 ** np.arange(-140, 120)).astype(np.float32)
+        amax = np.concatenate([exact, np.nextafter(exact, 0), np.nextafter(exact, np.inf),
+                               exact * np.float32(1.3), [0.0, 1e-45, 3e38]]).astype(np.float32)
+    amax = amax[np.isfinite(amax)]
+    stored = np.empty(amax.size, np.float32 if scaling == "ue8m0" else np.uint8)
+    inv = np.empty(amax.size, np.float32)
+    scales(amax, stored, inv)
+    a = amax.astype(np.float64)
+    with np.errstate(divide="ignore"):
+        if scaling == "ue8m0":
+            k = np.clip(np.ceil(np.log2(a / base)), -127, 127)
+            want = np.where(a == 0, 1.0, 2.0 ** k)
+            assert np.array_equal(stored.astype(np.float64), want)
+            assert np.array_equal(inv.astype(np.float64), 1.0 / want)
+        else:
+            emax = {"mxfp8_e4m3": 8, "mxfp4_e2m1": 2}[quant]
+            e = np.clip(np.where(a == 0, -127, np.floor(np.log2(a)) - emax), -127, 127)
+            assert np.array_equal(stored.astype(np.int64), (e + 127).astype(np.int64))
+            assert np.array_equal(inv.astype(np.float64), 2.0 ** -e)

@@ -67,6 +67,21 @@ def levels_within_contract(values, levels_ref, element, tie=1e-5):
     return ok, float(diff.max(initial=0))
 
 
+def pow2_scales_within_contract(got, ref, amax, divisor=1.0, rel=2.0 ** -20):
+    """(ok, how many differ) of power-of-two scales (UE8M0 values, or MX's 2**e: float64)
+    against the reference's: equal, except that where the reference's max|y| / ``divisor``
+    lies within ``rel`` of a power of two, the kernel's float32 max|y| may round across it and
+    the neighbouring power is taken too (its levels are then checked against that scale)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    a = np.asarray(amax, np.float64) / divisor
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.round(np.log2(a))
+        near = np.abs(a / 2.0 ** k - 1) < rel
+    same = (got == ref) | (np.isnan(got) & np.isnan(ref))
+    ok = same | (near & ((got == 2 * ref) | (got == ref / 2)))
+    return bool(np.all(ok)), int(np.count_nonzero(~same))
+
+
 def quant_within_contract(q, yscale, q_ref, yscale_ref, quant_dtype, tie=1e-5):
     """(ok, yscale relative error, largest level difference) of a quantised output against the
     reference quotient ``q_ref`` (reference.rms_norm_quant_ref): every level within 1 of its

@@ -5,7 +5,6 @@ the quantised forward's row body (kernels/rmsnorm_fwd.py, FwdSpec.scaling)."""
 import math
 import operator
 import sys
-from collections import OrderedDict
 
 import numpy as np
 
@@ -44,7 +43,8 @@ def rms_norm_quant_scaled(fn, x, weight, eps, xscale, residual, quant, weight_of
     si = _vector_arg(xscale, "xscale", xi, n, reinterpret, fn)
     eps = _validate.eps(eps, fn)
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
-    static_i = _static_scale(scale, xi, fn) if scaling == "static" else None
+    static = scaling == "static"
+    scales_i, scale_value = _static_scale(scale, xi, fn) if static else (None, 0.0)
     backend = backends.for_array(xi, fn)
 
     fp4 = quant == _dtypes.MXFP4
@@ -52,11 +52,9 @@ def rms_norm_quant_scaled(fn, x, weight, eps, xscale, residual, quant, weight_of
     q_dtype = _dtypes.UINT8 if quant in _dtypes.MX_DTYPES else quant
     q, qi = _arrays.empty(xi, q_shape, q_dtype)
     roi = _arrays.empty(xi, xi.shape, xi.dtype)[1] if ri is not None else None
-    scales = scales_i = None
+    scales = None
     scale_strides = (0, 0)
-    if static_i is not None:
-        scales_i = static_i
-    else:
+    if not static:
         groups = n // group
         scale_dtype = _dtypes.UINT8 if scaling == "mx" else _dtypes.FLOAT32
         if scale_layout == "column":
@@ -67,10 +65,11 @@ def rms_norm_quant_scaled(fn, x, weight, eps, xscale, residual, quant, weight_of
     if m > 0:
         strides = (x_stride, r_stride, q_shape[-1], n)
         backend.rms_norm_quant_fwd(xi, ri, wi, si, qi, roi, scales_i, m, n, strides,
-                                   scale_strides, eps, weight_offset, quant, scaling, group)
+                                   scale_strides, eps, weight_offset, quant, scaling, group,
+                                   scale_value)
     q = _torch_view(qi.result(), "q" + quant)
     out = (q,)
-    if static_i is None:
+    if not static:
         out += ((scales if scale_layout == "column" else
                  _torch_view(scales_i.result(), "scales" if scaling == "mx" else "")),)
     if roi is not None:
@@ -129,12 +128,7 @@ def _short(value):
     return type(value).__name__ if hasattr(value, "shape") else repr(value)
 
 
-# static scales given as Python numbers, as float32 arrays on the device that reads them: made
-# once per (library, device, value), so that repeat calls (and CUDA graph captures after one
-# eager call) copy nothing
-_scale_arrays = OrderedDict()
 _F32_MAX, _F32_TINY = 3.4028234663852886e38, 2.0 ** -149
-_MAX_SCALE_ARRAYS = 64
 
 
 def is_number(value):
@@ -143,49 +137,33 @@ def is_number(value):
 
 
 def scale_number(scale, fn):
-    """A static scale given as a number, as the float32 the kernel divides by (positive and
-    finite)."""
+    """A static scale given as a number, as the float the kernel takes by value (positive and
+    finite in float32)."""
     if not is_number(scale):
         raise TypeError(f"{fn}: scale must be a number or a float32 array of one element, got "
                         f"{type(scale).__name__}")
-    value = float(scale)    # plain Python (torch.compile traces this): no NumPy casts
+    try:
+        value = float(scale)    # plain Python (torch.compile traces this): no NumPy casts
+    except OverflowError:
+        value = math.inf
     if not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
         raise ValueError(f"{fn}: scale must be a positive finite float32, got {scale!r}")
     return value
 
 
 def _static_scale(scale, xi, fn):
-    """ArrayInfo of a static scale: a positive finite number, or a float32 array of one
-    element on x's device (its value is the caller's to keep positive and finite: reading it
-    would wait for the device)."""
+    """(ArrayInfo or None, value) of a static scale: a positive finite number goes to the
+    kernel by value (nothing on the device, so nothing a CUDA graph holds can go away), a
+    float32 array of one element on x's device is read by the kernel (its value is the
+    caller's to keep positive and finite: reading it would wait for the device)."""
     if is_number(scale):
-        return _scale_array(xi, np.float32(scale_number(scale, fn)))
+        return None, scale_number(scale, fn)
     info = _arrays.describe(scale, "scale", None, fn)
     _validate.same_place(info, xi, fn, "scale")
     if info.dtype != _dtypes.FLOAT32 or math.prod(info.shape) != 1:
         raise ValueError(f"{fn}: scale must be a float32 number or a float32 array of one "
                          f"element, got {info.dtype} of shape {tuple(info.shape)}")
-    return info
-
-
-def _scale_array(xi, value):
-    if xi.device == _arrays.CPU:
-        host = np.full(1, value, np.float32)
-        return _arrays.describe(host, "scale")
-    key = (xi.lib, xi.device, xi.device_index, float(value))
-    info = _scale_arrays.get(key)
-    if info is None:
-        out, info = _arrays.empty(xi, (1,), _dtypes.FLOAT32)
-        if hasattr(out, "fill_"):
-            out.fill_(float(value))             # torch, on its current stream
-        elif hasattr(out, "fill"):
-            out.fill(value)                     # CuPy, simulated arrays
-        else:
-            out.copy_to_device(np.full(1, value, np.float32))
-        _scale_arrays[key] = info
-        while len(_scale_arrays) > _MAX_SCALE_ARRAYS:
-            _scale_arrays.popitem(last=False)
-    return info
+    return info, 0.0
 
 
 def _column_major(xi, m, groups, dtype, fn):

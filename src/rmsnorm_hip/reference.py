@@ -128,9 +128,12 @@ def rms_norm_quant_scaled_ref(x, weight=None, eps=1e-6, *, xscale=None, residual
     amax = np.max(np.abs(blocks), axis=-1)
     with np.errstate(divide="ignore"):
         if mx:
-            e = np.where(amax == 0, -127, np.floor(np.log2(amax)) - MX_EMAX[quant_dtype])
+            finite = np.isfinite(amax)
+            e = np.where(amax == 0, -127, np.floor(np.log2(np.where(finite, amax, 1.0)))
+                         - MX_EMAX[quant_dtype])
             e = np.clip(e, -127, 127)
-            return (blocks / 2.0 ** e[..., None]).reshape(y.shape), (e + 127).astype(np.uint8), h
+            byte = np.where(finite, e + 127, 255).astype(np.uint8)    # 0xFF: E8M0's NaN
+            return (blocks / 2.0 ** e[..., None]).reshape(y.shape), byte, h
         yscale = amax / QMAX[quant_dtype]
         if scale_format == "ue8m0":
             yscale = 2.0 ** np.clip(np.ceil(np.log2(yscale)), -127, 127)

@@ -195,7 +195,7 @@ def _(x, weight, eps, xscale, residual, quant_dtype, weight_offset, group_size, 
     outs = [x.new_empty(q_shape, dtype=_quant.torch_dtype(torch, "q" + quant) or getattr(
         torch, quant))]
     if scale is None and scale_value is None:
-        groups = n // (32 if mx else group_size)
+        groups = n // (32 if mx else group_size or n)     # the real op refuses no group
         if mx:
             outs.append(x.new_empty((m, groups), dtype=_quant.torch_dtype(torch, "scales")))
         elif scale_layout == "column":
@@ -412,8 +412,8 @@ def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quan
     ``torch.int8`` / ``torch.float8_e4m3fn``), "mxfp8_e4m3" / "mxfp4_e2m1".  MX outputs come as
     ``torch.float8_e4m3fn`` / ``torch.float4_e2m1fn_x2`` and ``torch.float8_e8m0fnu`` scales
     (uint8 where this torch lacks them); ``scale_layout="column"`` scales as a column-major view.
-    ``scale``: a float32 tensor of one element on x's device, or a positive number (kept on the
-    device per value, so repeat calls and CUDA graph replays copy nothing)."""
+    ``scale``: a float32 tensor of one element on x's device, or a positive number (passed to
+    the kernel by value)."""
     fn = "rms_norm_quant"
     scale_tensor = scale if isinstance(scale, Tensor) else None
     _check_tensors(fn, x=x, weight=weight, xscale=xscale, residual=residual, scale=scale_tensor)
@@ -424,6 +424,9 @@ def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quan
                                                  weight_offset))
     scale_value = None
     if scale is not None and scale_tensor is None:
+        if not _quant.is_number(scale):
+            raise TypeError(f"{fn}: scale must be a number or a float32 torch.Tensor of one "
+                            f"element, got {type(scale).__module__}.{type(scale).__qualname__}")
         scale_value = _quant.scale_number(scale, fn)
     n = x.shape[-1] if x.dim() else 0
     _quant.scheme(fn, quant_dtype, n, group_size, scale_format, scale_layout, scale)

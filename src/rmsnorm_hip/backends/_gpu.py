@@ -216,10 +216,12 @@ class GpuBackend:
         self.launch(kernel, grid, block, args, self.stream_for(x))
 
     def rms_norm_quant_fwd(self, x, residual, weight, xscale, q, residual_out, scales, m, n,
-                           strides, scale_strides, eps, weight_offset, quant, scaling, group):
+                           strides, scale_strides, eps, weight_offset, quant, scaling, group,
+                           scale_value=0.0):
         """The quantised forward with scales per group, E8M0 MX scales or a static scale
         (FwdSpec.scaling): ``scales`` is written ((row, group) element strides
-        ``scale_strides``), or read (static: its one float32).  ``strides``: row strides of
+        ``scale_strides``), or read (static: its one float32, unless ``scale_value`` gives the
+        scale itself; ``scales`` is then None).  ``strides``: row strides of
         (x, residual, q, residual_out) in their own elements (fp4 q: bytes, N / 2 a row)."""
         x_stride, r_stride, _, ro_stride = strides
         pointers = 0
@@ -246,9 +248,12 @@ class GpuBackend:
         args = fused_args(self.arg(x, x.dtype), self.arg(residual, x.dtype),
                           self.arg(weight, f32), self.arg(xscale, f32), self.arg(q, q.dtype),
                           self.arg(residual_out, x.dtype), self.arg(None, f32),
-                          self.arg(scales, scales.dtype), m, strides, eps, weight_offset)
+                          self.arg(scales, _dtypes.UINT8 if scaling == "mx" else f32), m,
+                          strides, eps, weight_offset)
         if scaling in _config.GROUP_SCALINGS:
             args += tuple(scale_strides)
+        elif scaling == "static":
+            args += (scale_value,)
         grid = (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1)
         self.launch(kernel, grid, block, args, self.stream_for(x))
 

@@ -257,7 +257,8 @@ class CpuBackend:
         self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
     def rms_norm_quant_fwd(self, x, residual, weight, xscale, q, residual_out, scales, m, n,
-                           strides, scale_strides, eps, weight_offset, quant, scaling, group):
+                           strides, scale_strides, eps, weight_offset, quant, scaling, group,
+                           scale_value=0.0):
         """See GpuBackend.rms_norm_quant_fwd (same arguments)."""
         x_stride, r_stride, q_stride, ro_stride = strides
         fwd = self._kernel(cpu_rmsnorm.make_cpu_quant_fwd, x.dtype,
@@ -272,10 +273,11 @@ class CpuBackend:
         def vec(info):
             return info.host if info is not None else _dummy(_dtypes.FLOAT32)
 
-        host = scales.host
         if scaling == "static":
-            table = host.reshape(1, 1)
+            table = (np.full((1, 1), scale_value, np.float32) if scales is None
+                     else scales.host.reshape(1, 1))
         else:
+            host = scales.host
             table = np.lib.stride_tricks.as_strided(
                 host, shape=(m, n // group),
                 strides=tuple(s * host.itemsize for s in scale_strides))

@@ -60,8 +60,10 @@ Arrays = namedtuple("Arrays", "x residual weight xscale y residual_out rstd ysca
 # gated group's first column (0 otherwise)
 Offsets = namedtuple("Offsets", "x residual y residual_out z weight")
 # a call's arguments; ``heads`` (H) and ``head_strides`` (Offsets) for FwdSpec.heads rows;
-# ``scale_strides`` (row, group) of a grouped quantised row's scales
-Call = namedtuple("Call", "arrays strides m eps weight_offset heads head_strides scale_strides")
+# ``scale_strides`` (row, group) of a grouped quantised row's scales; ``static_scale`` a static
+# quantiser's scale given by value (0: read it at yscale[0])
+Call = namedtuple("Call", "arrays strides m eps weight_offset heads head_strides scale_strides "
+                          "static_scale")
 # a thread's scratch: its chunks of the row (h, or t when quantised), of residual, one chunk of
 # weight (or of the quantiser's gain g: load_gain) and of xscale, and the gains a streamed
 # program holds
@@ -78,9 +80,10 @@ def argtypes(spec: FwdSpec):
     row, 1 for none); or for
     a fused spec (x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_row_stride,
     residual_row_stride, y_row_stride, residual_out_row_stride, eps, weight_offset[,
-    scale_row_stride, scale_group_stride] (grouped scales: FwdSpec.scaling)); y is q (int8 /
-    uint8 bits; MX: uint8, fp4 pairs at half x's row stride) when quantised, yscale the scales
-    (uint8 E8M0 for MX), or the static scale read at yscale[0]."""
+    scale_row_stride, scale_group_stride] (grouped scales: FwdSpec.scaling) [, scale_value]
+    (static)); y is q (int8 / uint8 bits; MX: uint8, fp4 pairs at half x's row stride) when
+    quantised, yscale the scales (uint8 E8M0 for MX), or the static scale's array, read at
+    yscale[0] when scale_value is 0."""
     data = types.CPointer(_numba_storage(spec.dtype))
     weight = types.CPointer(_numba_storage(spec.weight or _dtypes.FLOAT32))
     f32 = types.CPointer(types.float32)
@@ -96,9 +99,10 @@ def argtypes(spec: FwdSpec):
     out = (types.CPointer(_numba_storage(_dtypes.UINT8 if mx else spec.quant)) if spec.quant
            else data)
     scales = types.CPointer(types.uint8) if mx else f32
-    grouped = (types.int64,) * 2 if spec.scaling in GROUP_SCALINGS else ()
+    extra = ((types.int64,) * 2 if spec.scaling in GROUP_SCALINGS
+             else (types.float32,) if spec.scaling == "static" else ())
     return ((data, data, weight, xscale, out, data, f32, scales)
-            + (types.int64,) * 5 + (types.float32, types.float32) + grouped)
+            + (types.int64,) * 5 + (types.float32, types.float32) + extra)
 
 
 def _numba_storage(dtype):
@@ -458,7 +462,10 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         each step for all their chunks before the next, in loops small enough to unroll (one
         loop kept the row in local memory on sm_90)."""
         if static:
-            _, inv, pre = scale_of(call.arrays.yscale[0])     # read before the reduction
+            # a scale given by value (a number: nothing to read, nothing a CUDA graph could
+            # see freed), else the caller's array, read before the reduction
+            given = call.static_scale
+            _, inv, pre = scale_of(given if given > float32(0.0) else call.arrays.yscale[0])
         acc = sumsq_row(call, at, live, tx, trips, sc)
         total = row_sum(acc, red, buf, ty, tx)
         r = float32(1.0) / math.sqrt(total / n_f32 + call.eps)
@@ -616,7 +623,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         # the plain forward has no residual, residual_out, xscale or yscale: None, strides 0
         run(Call(Arrays(x, None, weight, None, y, None, rstd, None, None),
                  Offsets(x_stride, int64(0), y_stride, int64(0), int64(0), int64(0)), m, eps,
-                 weight_offset, int64(1), None, None))
+                 weight_offset, int64(1), None, None, None))
 
     def rmsnorm_fwd_heads(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset, heads,
                           x_head_stride, y_head_stride):
@@ -624,7 +631,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                  Offsets(x_stride, int64(0), y_stride, int64(0), int64(0), int64(0)), m, eps,
                  weight_offset, heads,
                  Offsets(x_head_stride, int64(0), y_head_stride, int64(0), int64(0), int64(0)),
-                 None))
+                 None, None))
 
     def rmsnorm_gated_fwd(x, z, weight, y, rstd, m, x_stride, z_stride, y_stride, eps,
                           weight_offset, heads, x_head_stride, z_head_stride, y_head_stride):
@@ -632,25 +639,34 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                  Offsets(x_stride, int64(0), y_stride, int64(0), z_stride, int64(0)), m, eps,
                  weight_offset, heads,
                  Offsets(x_head_stride, int64(0), y_head_stride, int64(0), z_head_stride,
-                         int64(0)), None))
+                         int64(0)), None, None))
 
     def rmsnorm_fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m, x_stride,
                           r_stride, y_stride, ro_stride, eps, weight_offset):
         run(Call(Arrays(x, residual, weight, xscale, y, residual_out, rstd, yscale, None),
                  Offsets(x_stride, r_stride, y_stride, ro_stride, int64(0), int64(0)), m, eps,
-                 weight_offset, int64(1), None, None))
+                 weight_offset, int64(1), None, None, None))
 
     def rmsnorm_group_quant_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, m,
                                 x_stride, r_stride, y_stride, ro_stride, eps, weight_offset,
                                 scale_row_stride, scale_group_stride):
         run(Call(Arrays(x, residual, weight, xscale, y, residual_out, rstd, yscale, None),
                  Offsets(x_stride, r_stride, y_stride, ro_stride, int64(0), int64(0)), m, eps,
-                 weight_offset, int64(1), None, (scale_row_stride, scale_group_stride)))
+                 weight_offset, int64(1), None, (scale_row_stride, scale_group_stride), None))
+
+    def rmsnorm_static_quant_fwd(x, residual, weight, xscale, y, residual_out, rstd, scale, m,
+                                 x_stride, r_stride, y_stride, ro_stride, eps, weight_offset,
+                                 scale_value):
+        run(Call(Arrays(x, residual, weight, xscale, y, residual_out, rstd, scale, None),
+                 Offsets(x_stride, r_stride, y_stride, ro_stride, int64(0), int64(0)), m, eps,
+                 weight_offset, int64(1), None, None, scale_value))
 
     if gate:
         return rmsnorm_gated_fwd
     if group_scaled:
         return rmsnorm_group_quant_fwd
+    if static:
+        return rmsnorm_static_quant_fwd
     if spec.fused:
         return rmsnorm_fused_fwd
     return rmsnorm_fwd_heads if heads else rmsnorm_fwd
