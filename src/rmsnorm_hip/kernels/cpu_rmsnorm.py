@@ -129,6 +129,25 @@ def make_cpu_rmsnorm_fwd(intr, dtype, weight_dtype):
     return rmsnorm_fwd
 
 
+def make_normalised_row(intr, dtype, has_residual):
+    """normalised_row(x, residual, residual_out, i, eps) -> (h, rstd) of row i: h = x, or
+    round(x + residual) written to residual_out first (and read back as stored)."""
+    decode, encode, _ = codec(intr, dtype)
+    row_sumsq = make_row_sumsq(intr, dtype)
+
+    @intr.jitable
+    def normalised_row(x, residual, residual_out, i, eps):
+        n = x.shape[1]
+        h = x[i]
+        if has_residual:
+            for j in range(n):
+                residual_out[i, j] = encode(decode(x[i, j]) + decode(residual[i, j]))
+            h = residual_out[i]
+        return h, float32(1.0) / np.sqrt(row_sumsq(h, n) / float32(n) + eps)
+
+    return normalised_row
+
+
 def make_cpu_fused_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dtype):
     """fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, eps, weight_offset,
     store_rstd, lo, hi): rows lo to hi, the forward's fused switches (see kernels/rmsnorm_fwd.py)
@@ -139,8 +158,8 @@ def make_cpu_fused_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dt
     decode, encode, _ = codec(intr, dtype)
     encode_q = codec(intr, quant)[1] if quant else encode
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
-    row_sumsq = make_row_sumsq(intr, dtype)
     scale = make_scale(intr, dtype, weight_dtype, xscale_dtype)
+    normalised_row = make_normalised_row(intr, dtype, has_residual)
     max_nan = intr.max_nan
 
     @numba.njit(nogil=True, error_model="numpy")
@@ -148,12 +167,7 @@ def make_cpu_fused_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dt
                   store_rstd, lo, hi):
         n = x.shape[1]
         for i in range(lo, hi):
-            h = x[i]
-            if has_residual:
-                for j in range(n):
-                    residual_out[i, j] = encode(decode(x[i, j]) + decode(residual[i, j]))
-                h = residual_out[i]
-            r = float32(1.0) / np.sqrt(row_sumsq(h, n) / float32(n) + eps)
+            h, r = normalised_row(x, residual, residual_out, i, eps)
             if store_rstd:
                 rstd[i] = r
             if quant:
@@ -186,9 +200,9 @@ def make_cpu_quant_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dt
     element = _dtypes.MX_ELEMENT.get(quant, quant)
     fp4 = element == _dtypes.MXFP4
     encode_q = intr.f32_to_e2m1 if fp4 else codec(intr, element)[1]
-    row_sumsq = make_row_sumsq(intr, dtype)
     scale = make_scale(intr, dtype, weight_dtype, xscale_dtype)
     scale_of = make_group_scale(intr, scaling, quant)
+    normalised_row = make_normalised_row(intr, dtype, has_residual)
     max_nan = intr.max_nan
     static = scaling == "static"
     one = float32(1.0)
@@ -205,12 +219,7 @@ def make_cpu_quant_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dt
         n = x.shape[1]
         size = n if static else group
         for i in range(lo, hi):
-            h = x[i]
-            if has_residual:
-                for j in range(n):
-                    residual_out[i, j] = encode(decode(x[i, j]) + decode(residual[i, j]))
-                h = residual_out[i]
-            r = float32(1.0) / np.sqrt(row_sumsq(h, n) / float32(n) + eps)
+            h, r = normalised_row(x, residual, residual_out, i, eps)
             for g0 in range(0, n, size):
                 if static:
                     _, inv, pre = scale_of(scales[0, 0])
