@@ -5,7 +5,8 @@ would contend with), bf16 x of M x N:
         python3 benchmarks/ncu_ops.py bwd 4096 4096
 
 ops: fwd, fused, quant (SmoothQuant int8), bwd, bwd_dres; a fourth argument ``offset`` puts every
-row one element past 16 bytes (views of (M, N + 1) buffers: the scalar kernels)
+row one element past 16 bytes (views of (M, N + 1) buffers: the scalar kernels).  qk and qk_rope
+(neox): M tokens of 32 query and 8 key heads of size N, in place in a QKV buffer, as the bench.
 """
 import sys
 
@@ -34,6 +35,14 @@ def main():
         "bwd": lambda: rmsnorm_hip.rms_norm_backward(other, x, w, rstd),
         "bwd_dres": lambda: rmsnorm_hip.rms_norm_backward(other, x, w, rstd, dresidual=x),
     }
+    if op.startswith("qk"):
+        buf = torch.randn(m, 48 * n, device="cuda", dtype=torch.bfloat16)
+        q, k = buf[:, :32 * n].view(m, 32, n), buf[:, 32 * n:40 * n].view(m, 8, n)
+        wq, wk = w[:n].clone(), w[:n].flip(0).contiguous()
+        positions = torch.arange(m, device="cuda") % 4096
+        cache = torch.randn(4096, n, device="cuda")
+        rope = dict(positions=positions, cos_sin_cache=cache) if op == "qk_rope" else {}
+        calls[op] = lambda: rmsnorm_hip.qk_rms_norm_(q, k, wq, wk, 1e-6, **rope)
     for _ in range(4):
         calls[op]()
     torch.cuda.synchronize()

@@ -30,10 +30,10 @@ from test_gated import (assert_grad, check_backward, check_forward, gate_id,  # 
 EPS = 1e-6
 # (M, N, group_size): one element; ragged rows; many short rows; groups of 40; four groups of
 # 1024 (two chunks a thread in 16-bit); thousands of rows of groups of 64 (the persistent grid's
-# slots walk many rows each); the backward's longest 16-bit row; Mamba 2's d_inner 5120 in 8
-# groups (ngroups = 8)
+# slots walk many rows each); the longest row the backward keeps in registers, one it reads twice
+# (ragged: 5000) in one group and two of 8192; Mamba 2's d_inner 5120 in 8 groups
 SHAPES = [(1, 1, None), (7, 3, None), (333, 127, None), (33, 200, 40), (65, 4096, 1024),
-          (4096, 256, 64), (7, 8192, None), (257, 5120, 640)]
+          (4096, 256, 64), (7, 4096, None), (9, 5000, None), (65, 16384, 8192), (257, 5120, 640)]
 # docs/api.md's 16-bit dx bound (2 ulp + 1e-5 |dy W rstd|) leaves nothing for the float32 error
 # of c = mean(h_hat * dy W) where a group's dot product cancels; that error lands on elements
 # dominated by h_hat * c.  With the output gate's heavy-tailed dy * silu(z) over thousands of

@@ -285,7 +285,9 @@ def test_torch_qk_norm_cuda_graph_is_bitwise_eager():
     """QK-norm on head views (forward and backward) captured in a CUDA graph, replayed on new
     projections: the eager bits."""
     t, h, d = 96, 8, 128
-    qkv, q, k = _qkv_heads(t, h, d, torch.bfloat16)
+    # no head view of qkv outlives this line: a view keeps qkv's gradient node, made on the
+    # default stream, which a captured backward may not wait on
+    qkv = _qkv_heads(t, h, d, torch.bfloat16)[0]
     w = (1 + 0.1 * torch.randn(d, device="cuda")).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(t, 2, h, d, device="cuda", dtype=torch.bfloat16)
 

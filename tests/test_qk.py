@@ -355,14 +355,21 @@ SIM_CASES = [
      "vector, positions of a 2-D leading shape"),
     (QkCase(FLOAT32, 128, None, heads=(4, 2), lead=(2,), pad=1, offset=1.0),
      "scalar, no RoPE"),
+    (QkCase(BFLOAT16, 80, "neox", partial=True, heads=(4, 2), lead=(1,)),
+     "aligned, but a neox rotary_dim (40) of two and a half chunk pairs: scalar"),
 ]
 SIM_QUICK = {SIM_CASES[0][0].id, SIM_CASES[1][0].id, SIM_CASES[2][0].id}
 
 
 def vector_form(case):
     """Whether the GPU kernel takes 128-bit accesses: 16-byte token strides (a lone token's
-    stride does not matter; the buffers start aligned)."""
-    return case.pad == 0 or math.prod(case.lead) == 1
+    stride does not matter; the buffers start aligned), and for neox a rotary_dim of a power of
+    two pairs of chunks (its cos / sin come by 128-bit loads, partners a power of two lanes
+    away)."""
+    chunk = 16 // NUMPY[case.dtype].itemsize
+    lanes, ragged = divmod(case.rot, 2 * chunk)
+    return ((case.pad == 0 or math.prod(case.lead) == 1)
+            and not (case.rope == "neox" and (ragged or lanes & (lanes - 1))))
 
 
 def test_sim_cases_cover_every_form():
@@ -409,6 +416,19 @@ def test_sim_matches_reference(sim, rng, case):  # noqa: F811
         assert [s.vector for s in specs] == [False], specs
         assert_bitwise(q_twin, q_out, "q_out from the misaligned buffer (scalar) vs vector")
         assert_bitwise(k_twin, k_out, "k_out from the misaligned buffer (scalar) vs vector")
+    if vector_form(case) and case.rope == "neox":   # a cache one element off its alignment
+        cache = call.rope["cos_sin_cache"]
+        shifted = aligned_empty(cache.shape, case.cache, offset=NUMPY[case.cache].itemsize)
+        shifted[...] = cache
+        buf = aligned_empty(original.shape, case.dtype)
+        buf[...] = original
+        q, k = qkv_views(buf, *case.heads, case.d)
+        with launched_specs(be) as specs:
+            q_twin, k_twin = qk_rms_norm(q, k, call.q_weight, call.k_weight, EPS,
+                                         **dict(call.kwargs, cos_sin_cache=shifted))
+        assert [s.vector for s in specs] == [False], specs
+        assert_bitwise(q_twin, q_out, "q_out with a misaligned cache (scalar) vs vector")
+        assert_bitwise(k_twin, k_out, "k_out with a misaligned cache (scalar) vs vector")
 
 
 @pytest.mark.sim

@@ -80,13 +80,15 @@ def shapes_of(fmt):
 
 def make_x(rng, shape, dtype):
     """x whose blocks of 16 columns span three decades (groups and MX blocks get different
-    scales) and whose rows span six (rows must not leak into each other)."""
+    scales) and whose rows span six (rows must not leak into each other); four in float16,
+    whose largest finite value an outlier of a six-decade spread can exceed."""
     x = random_array(rng, shape, FLOAT32)
     n = shape[-1]
     blocks = 10.0 ** rng.uniform(-1.5, 1.5, -(-n // 16))
     x *= np.repeat(blocks, 16)[:n].astype(np.float32)
     if len(shape) > 1:
-        x *= (10.0 ** rng.uniform(-3, 3, shape[:-1] + (1,))).astype(np.float32)
+        decades = 2 if dtype == FLOAT16 else 3
+        x *= (10.0 ** rng.uniform(-decades, decades, shape[:-1] + (1,))).astype(np.float32)
     return x.astype(NUMPY[dtype])
 
 

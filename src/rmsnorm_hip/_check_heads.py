@@ -45,10 +45,9 @@ QK_SHAPES = ((2, 1, 1, 2), (7, 4, 1, 64), (33, 32, 8, 128), (5, 6, 2, 80), (3, 4
 QK_PAD = 5                  # columns past the v part in each row of the QKV buffer
 MAX_POSITION = 50           # rows of the cos / sin cache
 # (M, N, group_size): tiny rows, N no power of two, wide rows, Mamba 2's groups (d_inner 4096
-# in 8 groups, 2560 in 2), one-column groups and a row wider than one backward group allows
+# in 8 groups, 2560 in 2), one-column groups and rows the backward reads twice (looped)
 GATED_SHAPES = ((2, 1, None), (7, 3, None), (333, 127, None), (33, 5000, None), (7, 8192, None),
                 (9, 4096, 512), (5, 2560, 1280), (4, 96, 1), (3, 24576, 3072), (3, 65537, None))
-GATED_BWD_MAX_GROUP = 8192  # rms_norm_gated_backward's limit on a group (N without groups)
 
 
 class _Device:
@@ -346,7 +345,6 @@ def _plan(dtype, backend="cpu"):
     dtype (MAIN, EXTRA)."""
     qk_shapes, gated_shapes = _shapes(backend)
     gated_w = _dtypes.FLOAT32 if dtype in (_dtypes.FLOAT32, _dtypes.BFLOAT16) else dtype
-    bwd_shapes = [s for s in gated_shapes if (s[2] or s[1]) <= GATED_BWD_MAX_GROUP]
 
     def qk_rows(style):
         return [(dtype, _qk_label(s) + (f" r{_partial(s[3])}" if partial else ""),
@@ -365,7 +363,7 @@ def _plan(dtype, backend="cpu"):
                                              and not nbg else ""),
                  lambda rng, dev, s=s, r=bool(i % 2 and dtype == _dtypes.FLOAT32 and not nbg):
                  _gated_bwd_check(rng, dev, dtype, s, gated_w, nbg, r))
-                for i, s in enumerate(bwd_shapes)]
+                for i, s in enumerate(gated_shapes)]
 
     rows = {
         # no RoPE: float32 weights, every other shape with weight_offset=1.0 (Gemma's 1 + w)
@@ -383,8 +381,8 @@ def _plan(dtype, backend="cpu"):
                 rng, dev, dtype, s, dtype, o)) for i, s in enumerate(qk_shapes)]),
         "gated": (len(gated_shapes), gated_rows(False)),
         "gated nbg": (len(gated_shapes), gated_rows(True)),
-        "gated_bwd": (len(bwd_shapes), bwd_rows(False)),
-        "gbwd nbg": (len(bwd_shapes), bwd_rows(True)),
+        "gated_bwd": (len(gated_shapes), bwd_rows(False)),
+        "gbwd nbg": (len(gated_shapes), bwd_rows(True)),
     }
     return [(label,) + rows[label] for label in ORDER
             if label in MAIN or EXTRA.get(label) == dtype]

@@ -52,6 +52,7 @@ import time
 import traceback
 
 MAIN_KERNEL_MAX_VGPRS = 64
+SM_REGISTERS = 65536   # what one sm_90 block may hold (beyond: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
 # sm_90 kernels whose ptxas spills are known and measured against the alternatives: the bytes
 # stored each may spill at most (ptxas 13.0).  Every other kernel must spill none.
 #   float32 N = 16384 backward rows (1024 threads x 4 chunks: x, dy, the weight and the dweight
@@ -344,6 +345,11 @@ def problems(record, target):
             out.append("ptxas refused the PTX")
         if record["local_depot"]:
             out.append("local memory depot")
+        block = (record.get("threads") or 0) * (record.get("rows_per_block") or 0)
+        registers = -(-(record.get("registers") or 0) // 8) * 8     # allocated 8 at a time
+        if block and registers * block > SM_REGISTERS:
+            out.append(f"{record['registers']} registers x {block} threads > {SM_REGISTERS}: "
+                       "the block cannot launch")
         # an atomic-dweight kernel (label suffix ":atomic") is its deterministic twin's row
         allowed = SM90_SPILL_ALLOWANCE.get(record.get("label", "").removesuffix(":atomic"), 0)
         if (record.get("spill_store_bytes") or 0) > allowed or (

@@ -5,13 +5,9 @@ the backward kernels/gated_bwd.py."""
 import operator
 
 from . import _arrays, _dtypes, _validate, backends
-from .kernels import _config
 from .functional import _rows_of_x, _vector_arg
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_backward"]
-
-# the longest group (row without groups) rms_norm_gated_backward takes
-BACKWARD_MAX_GROUP = _config.GATED_BWD_MAX_ELEMENTS
 
 
 def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_gate=False,
@@ -84,8 +80,7 @@ def rms_norm_gated_backward(dy, x, z, weight=None, rstd=None, *, group_size=None
     dx and dz shaped like x in x's library, dweight (N,) in weight's dtype.  ``rstd``: the
     forward's float32 statistics ((M,), or (M, N // group_size)); None recomputes them from x
     and z with ``eps``.  dweight is a float32 sum over fixed partial rows in a fixed order
-    (bitwise the same from run to run; ``deterministic=False`` changes nothing).  A group (N
-    without groups) may have at most 8192 elements here."""
+    (bitwise the same from run to run; ``deterministic=False`` changes nothing)."""
     fn = "rms_norm_gated_backward"
     reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
     strides = []
@@ -100,9 +95,6 @@ def rms_norm_gated_backward(dy, x, z, weight=None, rstd=None, *, group_size=None
     _validate.flag(deterministic, fn, "deterministic")
     g = _group_size(group_size, n, fn)
     groups = n // g
-    if g > BACKWARD_MAX_GROUP or _config.gated_bwd_layout(g, xi.dtype) is None:
-        raise ValueError(f"{fn}: group_size (N without groups) must be at most "
-                         f"{BACKWARD_MAX_GROUP} here, got {g}")
     wi = _vector_arg(weight, "weight", xi, n, reinterpret, fn)
     ri = None
     if rstd is not None:

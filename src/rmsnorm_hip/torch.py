@@ -590,16 +590,9 @@ def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_
                    weight_offset=0.0):
     """Differentiable :func:`rmsnorm_hip.rms_norm_gated` (grads for x, z and weight), a custom
     op (torch.compile, CUDA graphs): Mamba 2's gated RMSNorm, ``norm_before_gate=False`` by
-    default as in Mamba 2's blocks.  Returns y.  With a gradient needed, a group (N without
-    groups) longer than the backward takes is refused here rather than in the backward."""
+    default as in Mamba 2's blocks.  Returns y."""
     fn = "rms_norm_gated"
     _check_tensors(fn, ("x", "z"), x=x, z=z, weight=weight)
-    if _needs_grad(x, z, weight) and x.dim() and not torch.compiler.is_compiling():
-        n = x.shape[-1]
-        g = n if group_size is None else gated._group_size(group_size, n, fn)
-        if g > gated.BACKWARD_MAX_GROUP:
-            raise ValueError(f"{fn}: with a gradient, group_size (N without groups) must be at "
-                             f"most {gated.BACKWARD_MAX_GROUP} (the backward's limit), got {g}")
     eps, weight_offset = _scalars(fn, eps, weight_offset, weight is not None)
     return _ops.rms_norm_gated.default(x, z, weight, eps, weight_offset, group_size,
                                        bool(norm_before_gate))[0]

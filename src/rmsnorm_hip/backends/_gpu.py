@@ -362,6 +362,12 @@ class GpuBackend:
                   and not (pointers | q_weight.ptr | k_weight.ptr) & _ALIGN_MASK)
         style, cache_dtype, pos_dtype, cache_stride, max_position, rot = geo.rope or (
             "", "", "", 0, 0, 0)
+        if vector and style == "neox":     # the partner a power-of-two chunks away (qk_norm)
+            chunk = _ALIGN // _dtypes.ITEMSIZE[dtype]
+            lanes = rot // (2 * chunk)
+            vector = (not cache.ptr & _ALIGN_MASK and rot % (2 * chunk) == 0
+                      and lanes & (lanes - 1) == 0
+                      and (cache_stride * _dtypes.ITEMSIZE[cache_dtype]) % _ALIGN == 0)
         spec = _config.qk_spec(geo.d, dtype, q_weight.dtype, vector, style, cache_dtype,
                                pos_dtype)
         kernel = self.kernel(qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))

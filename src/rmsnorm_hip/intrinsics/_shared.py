@@ -164,4 +164,4 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
                            # MX e4m3 elements are plain e4m3fn levels of pre-scaled values
                            mx_pack_e4m3x2=pack_e4m3x2,
                            max_nan=max_nan, warp_sum=warp_sum,
-                           warp_max=warp_max)
+                           warp_max=warp_max, shfl_xor=shfl_xor)

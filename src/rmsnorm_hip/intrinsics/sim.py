@@ -308,11 +308,21 @@ def _make_warp_reductions(warp, max_nan):
     return warp_sum, warp_max
 
 
+def f32_to_i8(value):
+    """CUDA's ``cvt.rni.sat.s8.f32``, -128 included (the portable encoder stops at -127): a
+    kernel that lets a product of -127.5 or less reach it fails here as on the GPU."""
+    v = float(np.float32(value))
+    if v != v:
+        return np.int32(0)
+    return np.int32(min(127.0, max(-128.0, np.rint(v))))
+
+
 def build(warp):
     _poison_shared_memory()
     _event_driven_blocks()
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
     shared.warp_sum, shared.warp_max = _make_warp_reductions(warp, shared.max_nan)
+    shared.f32_to_i8 = f32_to_i8
     return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="sim", warp=warp,
                            shared_alignment=16, gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,

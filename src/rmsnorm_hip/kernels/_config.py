@@ -215,11 +215,12 @@ def fwd_programs(spec, m, sm_count, resident_per_sm):
 
 
 # ---- gated RMSNorm backward ------------------------------------------------------------------
-# a gated backward thread keeps x, z, dy, the weight, g, dx and the dweight partial of its
-# chunks: one chunk a thread up to 512 threads, then more chunks at 512 (as floats, up to
-# BWD_MAX_CACHED_FLOATS each: group rows up to 8192 elements)
+# a gated backward thread keeps x, z, dy, the weight and the dweight partial of its chunks: one
+# chunk a thread up to 512 threads, then more chunks at 512, in registers up to
+# GATED_BWD_MAX_CACHED_FLOATS each (a 512-thread block has 128 registers a thread); longer
+# group rows are read twice, a chunk at a time, their partial in the workspace
 GATED_BWD_MAX_THREADS = 512
-GATED_BWD_MAX_ELEMENTS = 8192   # what that keeps for 16-bit rows (float32: as many)
+GATED_BWD_MAX_CACHED_FLOATS = 8
 GATED_BWD_BLOCKS_PER_SM = 2     # slots of the persistent grid: this many blocks per SM
 
 
@@ -236,10 +237,8 @@ class GatedBwdSpec:
 
 
 def gated_bwd_layout(g, dtype):
-    """The gated backward's layout of a group row of ``g`` elements (None: too long to keep in
-    registers)."""
-    layout = _layout(g, dtype, 1, BWD_MAX_CACHED_FLOATS, GATED_BWD_MAX_THREADS)
-    return layout if layout.cached else None
+    """The gated backward's layout of a group row of ``g`` elements."""
+    return _layout(g, dtype, 1, GATED_BWD_MAX_CACHED_FLOATS, GATED_BWD_MAX_THREADS)
 
 
 def gated_bwd_spec(g, dtype, weight, vector, recompute_rstd, gate):
@@ -568,8 +567,11 @@ def launch_bounds(spec):
     within 64 registers (else the launch fails); and for packed rows bwd_blocks_per_sm where it
     is 2: 512-thread rows of one chunk then fit 64 registers without spilling (left free, the
     dresidual forms took 81-101 and so one block per SM), while 512 x 2 rows ask no minimum and
-    take up to 128.  Forward kernels stay free: with a bound alone ptxas squeezed the looped
-    1024-thread forward to 32 registers and spilled."""
+    take up to 128.  The gated backward declares its block size too.  Forward kernels stay
+    free: with a bound alone ptxas squeezed the looped 1024-thread forward to 32 registers and
+    spilled."""
+    if isinstance(spec, GatedBwdSpec):
+        return spec.layout.threads * spec.rows, None
     if not isinstance(spec, BwdSpec):
         return None, None
     threads = spec.layout.threads * spec.rows
@@ -584,8 +586,11 @@ def scalar_shifted(spec):
     access on the H200, docs/performance.md).  Not in backward blocks held to 64 registers a
     thread, where the blocks' words spilled (the float32 N = 8192 and the N = 16384 rows of 1024
     threads), nor in backward head rows (BwdSpec.heads), whose 16-bit N = 4096 rows spilled with
-    them: those stay element by element."""
+    them: those stay element by element, as do looped gated backward rows (GatedBwdSpec: the
+    chunk's reloaded dweight partial besides, their blocks' words spilled 22-70 VGPRs on gfx942)."""
     if isinstance(spec, BwdSpec) and spec.heads:
+        return False
+    if isinstance(spec, GatedBwdSpec) and not spec.layout.cached:
         return False
     threads, blocks = launch_bounds(spec)
     return threads is None or 65536 // (threads * (blocks or 1)) >= 128

@@ -437,7 +437,8 @@ RNE_MAGIC = 12582912.0
 
 
 @shared
-def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=True, mx=False):
+def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=True, mx=False,
+                     unbounded=False):
     """``store(ptr, start, col0, vals, slot, inv)``: ``vals[slot : slot + chunk] * inv`` quantised
     to ``dtype`` (int8 or float8_e4m3fn, one byte each) at ``ptr[start + col0 ...]``.  The vector
     form packs a chunk into one 8-byte (chunk 8) or 4-byte (chunk 4) store; the scalar form stores
@@ -450,11 +451,14 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=Tr
     row (a finite yscale from a max|t| that NaN cannot hide from); otherwise the converting form.
 
     ``mx`` (e4m3fn): MXFP8 elements, through ``intr.mx_pack_e4m3x2`` (gfx950's scaled
-    conversion) rather than the plain quantiser's ``pack_e4m3x2``."""
+    conversion) rather than the plain quantiser's ``pack_e4m3x2``.  ``unbounded`` (int8): products
+    may lie below -127.5 (a static scale), which CUDA's conversion would take to -128: they are
+    raised to -127 first (a NaN passes, and becomes 0)."""
     jitable = intr.jitable
     encode = codec(intr, dtype)[1]
     signed = dtype == _dtypes.INT8
     fused = fma_levels and signed
+    floor = signed and unbounded
     store_b64, store_b32 = _gpu_only(intr, "store_b64"), _gpu_only(intr, "store_b32")
     align_offset = _gpu_only(intr, "align_offset")
     # the scalar form's whole chunks go out as aligned 8- / 4-byte pieces where the address allows
@@ -470,7 +474,10 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=Tr
             return f32_as_u32(fma(vals[at], inv, magic)) & uint32(0xFF)
         if mx:      # the pairs' conversion for single bytes too: one rounding per element
             return pack_e4m3x2(vals[at] * inv, float32(0.0)) & uint32(0xFF)
-        return uint32(encode(vals[at] * inv) & 0xFF)
+        v = vals[at] * inv
+        if floor and v < float32(-127.0):
+            v = float32(-127.0)
+        return uint32(encode(v) & 0xFF)
 
     @jitable
     def word(vals, at, inv):

@@ -29,6 +29,7 @@ class Variant:
         s = self.spec
         if self.op == "gated_bwd":
             return (f"gated_bwd:{s.dtype}:w={s.weight or 'none'}:G={s.layout.n}:"
+                    f"{'cached' if s.layout.cached else 'looped'}:"
                     f"{'vec' if s.vector else 'scalar'}:gate={s.gate}:"
                     f"recompute={int(s.recompute_rstd)}")
         if self.op == "qk":
@@ -195,27 +196,29 @@ def heads_variants(ns=HEADS_REPRESENTATIVE_N, vendor="cuda"):
                               rmsnorm_bwd.argtypes(spec))
 
 
-# gated rows (and groups): a Mamba 2 group, multi-row ragged, one cached row, looped (forward)
+# gated rows (and groups): a Mamba 2 group, multi-row ragged, one cached row, looped; the
+# backward's looped row at 8192 (the same code as at any longer row)
 GATED_REPRESENTATIVE_N = (128, 127, 4096, 65536)
+GATED_BWD_N = (128, 127, 4096, 8192)
 
 
 def gated_variants(ns=GATED_REPRESENTATIVE_N, vendor="cuda"):
     """Gated forward and backward kernels per dtype and path: both gates, grouped and not,
-    the vector and scalar forms, with the weight dtype and rstd rotating over them.  The
-    backward keeps its rows in registers: the looped N has a forward only."""
+    the vector and scalar forms, with the weight dtype and rstd rotating over them."""
     for dtype in _dtypes.ACTIVATION_DTYPES:
         weights = _weights(dtype)
-        for i, n in enumerate(ns):
+        for i, n in enumerate(dict.fromkeys(ns + GATED_BWD_N)):
             layout = _config.row_layout(n, dtype)
             for j, vector in enumerate([True, False] if n % layout.chunk == 0 else [False]):
                 for gate in ("input", "output"):
                     k = i + j + (gate == "output")
-                    spec = _config.fwd_spec(n, dtype, weights[k % len(weights)], vector,
-                                            k % 2 == 0, vendor=vendor, heads=k % 2 == 1,
-                                            gate=gate)
-                    yield Variant("gated", rmsnorm_fwd.make_rmsnorm_fwd, spec,
-                                  rmsnorm_fwd.argtypes(spec))
-                    if _config.gated_bwd_layout(n, dtype) is not None:
+                    if n in ns:
+                        spec = _config.fwd_spec(n, dtype, weights[k % len(weights)], vector,
+                                                k % 2 == 0, vendor=vendor, heads=k % 2 == 1,
+                                                gate=gate)
+                        yield Variant("gated", rmsnorm_fwd.make_rmsnorm_fwd, spec,
+                                      rmsnorm_fwd.argtypes(spec))
+                    if n in GATED_BWD_N:
                         spec = _config.gated_bwd_spec(n, dtype, weights[(k + 1) % len(weights)],
                                                       vector, k % 2 == 1, gate)
                         yield Variant("gated_bwd", gated_bwd.make_gated_bwd, spec,

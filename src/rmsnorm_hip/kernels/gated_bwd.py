@@ -23,6 +23,7 @@ from collections import namedtuple
 from numba import float32, int64, types
 
 from .. import _dtypes
+from . import _config
 from ._config import GatedBwdSpec
 from ._rowops import ChunkIO, make_row_sum, reduce_buffer_shape
 
@@ -30,7 +31,7 @@ from ._rowops import ChunkIO, make_row_sum, reduce_buffer_shape
 Arrays = namedtuple("Arrays", "dy x z weight rstd dx dz ws")
 Strides = namedtuple("Strides", "dy x z dx dz")
 Call = namedtuple("Call", "arrays strides m groups eps weight_offset")
-Floats = namedtuple("Floats", "x z dy g w acc out")
+Floats = namedtuple("Floats", "x z dy w acc")
 
 
 def argtypes(spec: GatedBwdSpec):
@@ -48,15 +49,20 @@ def argtypes(spec: GatedBwdSpec):
 def make_gated_bwd(intr, spec: GatedBwdSpec):
     layout = spec.layout
     n, chunk, threads, rows = layout.n, layout.chunk, layout.threads, spec.rows
-    per_thread = layout.chunks_per_thread
-    span = per_thread * chunk
+    per_thread, cached = layout.chunks_per_thread, layout.cached
+    # floats a thread keeps per array: its whole share of the group row (cached), or one chunk,
+    # the row read twice (looped; the second read mostly from the L2)
+    span = per_thread * chunk if cached else chunk
     has_weight, recompute = bool(spec.weight), spec.recompute_rstd
     gated_input = spec.gate == "input"
     gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
-    io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
-    w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector)
+    shifted = _config.scalar_shifted(spec)
+    io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector, shifted)
+    w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector, shifted)
     # the float32 partial in 16-byte pieces (4 floats; a 16-bit chunk is two)
-    store_ws4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, spec.vector and n % 4 == 0).store
+    ws_vector = spec.vector and n % 4 == 0
+    store_ws4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, ws_vector, shifted).store
+    load_ws = ChunkIO(intr, _dtypes.FLOAT32, chunk, n, ws_vector, shifted).load
     load, store, load_w = io.load, io.store, w_io.load
     row_sum = make_row_sum(intr, threads)
     red_shape, red_align = reduce_buffer_shape(intr, 2, rows, threads), intr.shared_alignment
@@ -67,44 +73,85 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         return float32(1.0) / (float32(1.0) + math.exp(-v))
 
     @jitable
-    def load_chunks(call, outer, inner, live, tx, f):
-        """This thread's chunks of x, z, dy (and the group's weight) of one group row: zeros
+    def load_chunk(call, outer, inner, live, col0, f, slot):
+        """One chunk of x, z, dy (and the group's weight) of a group row into ``slot``: zeros
         past the row, or for a row that is not live."""
         a, s = call.arrays, call.strides
-        for k in range(per_thread):
-            col0 = (tx + k * threads) * chunk
-            slot = k * chunk
-            if live and col0 < n:
-                load(a.x, outer * s.x + inner * n, col0, f.x, slot)
-                load(a.z, outer * s.z + inner * n, col0, f.z, slot)
-                load(a.dy, outer * s.dy + inner * n, col0, f.dy, slot)
+        if live and col0 < n:
+            load(a.x, outer * s.x + inner * n, col0, f.x, slot)
+            load(a.z, outer * s.z + inner * n, col0, f.z, slot)
+            load(a.dy, outer * s.dy + inner * n, col0, f.dy, slot)
+            if has_weight:
+                load_w(a.weight, inner * n, col0, f.w, slot)
+        else:
+            for e in range(chunk):
+                f.x[slot + e] = float32(0.0)
+                f.z[slot + e] = float32(0.0)
+                f.dy[slot + e] = float32(0.0)
                 if has_weight:
-                    load_w(a.weight, inner * n, col0, f.w, slot)
-            else:
-                for e in range(chunk):
-                    f.x[slot + e] = float32(0.0)
-                    f.z[slot + e] = float32(0.0)
-                    f.dy[slot + e] = float32(0.0)
-                    if has_weight:
-                        f.w[slot + e] = float32(0.0)
+                    f.w[slot + e] = float32(0.0)
 
     @jitable
-    def group_row(call, outer, inner, live, tx, ty, parity, red, f):
-        """One group row: dx and dz stored, the dweight partial (f.acc) accumulated.  Rows that
-        are not live (past M) take part in the block's reductions only."""
-        load_chunks(call, outer, inner, live, tx, f)
-        offset = call.weight_offset
-        sxg = float32(0.0)
-        ss = float32(0.0)
-        for i in range(span):
+    def sums(f, lo, offset, sxg, ss):
+        """sum(v * g) and sum(v * v) carried over one chunk's floats at ``lo``."""
+        for i in range(lo, lo + chunk):
             sg = f.z[i] * sigmoid(f.z[i])               # silu(z)
             v = f.x[i] * sg if gated_input else f.x[i]
             d = f.dy[i] if gated_input else f.dy[i] * sg
             g = d * (f.w[i] + offset) if has_weight else d
-            f.g[i] = g
             sxg = fma(v, g, sxg)
             if recompute:
                 ss = fma(v, v, ss)
+        return sxg, ss
+
+    @jitable
+    def gradients(f, lo, offset, r, c):
+        """One chunk's dx (into f.x), dz (into f.z) and dweight partial (f.acc), at ``lo``."""
+        for i in range(lo, lo + chunk):
+            sgm = sigmoid(f.z[i])
+            sg = f.z[i] * sgm
+            dsg = sgm * (float32(1.0) + f.z[i] * (float32(1.0) - sgm))     # silu'(z)
+            if gated_input:
+                g = f.dy[i] * (f.w[i] + offset) if has_weight else f.dy[i]
+                h_hat = (f.x[i] * sg) * r
+                dh = fma(-h_hat, c, g) * r
+                f.z[i] = (dh * f.x[i]) * dsg                         # dz
+                f.x[i] = dh * sg                                     # dx
+                f.acc[i] = fma(f.dy[i], h_hat, f.acc[i])
+            else:
+                e = f.dy[i] * sg
+                g = e * (f.w[i] + offset) if has_weight else e
+                x_hat = f.x[i] * r
+                w = f.w[i] + offset if has_weight else float32(1.0)
+                f.z[i] = (f.dy[i] * (x_hat * w)) * dsg
+                f.x[i] = fma(-x_hat, c, g) * r
+                f.acc[i] = fma(e, x_hat, f.acc[i])
+
+    @jitable
+    def store_chunk(call, outer, inner, col0, f, slot):
+        a, s = call.arrays, call.strides
+        store(a.dx, outer * s.dx + inner * n, col0, f.x, slot)
+        store(a.dz, outer * s.dz + inner * n, col0, f.z, slot)
+
+    @jitable
+    def store_partial(ws, start, col0, f, slot):
+        for q in range(0, chunk, 4):
+            if col0 + q < n:
+                store_ws4(ws, start, col0 + q, f.acc, slot + q)
+
+    @jitable
+    def group_row(call, outer, inner, live, tx, ty, parity, red, f, ws_start):
+        """One group row: dx and dz stored, the dweight partial accumulated (in f.acc, or in
+        the slot's workspace row for looped rows).  Rows that are not live (past M) take part
+        in the block's reductions only."""
+        offset = call.weight_offset
+        sxg = float32(0.0)
+        ss = float32(0.0)
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            slot = k * chunk if cached else 0
+            load_chunk(call, outer, inner, live, col0, f, slot)
+            sxg, ss = sums(f, slot, offset, sxg, ss)
         sxg = row_sum(sxg, red, parity, ty, tx)
         row = outer * call.groups + inner
         if recompute:
@@ -115,28 +162,18 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         if not live:
             return
         c = sxg * r / n_f32
-        for i in range(span):
-            sgm = sigmoid(f.z[i])
-            sg = f.z[i] * sgm
-            dsg = sgm * (float32(1.0) + f.z[i] * (float32(1.0) - sgm))     # silu'(z)
-            if gated_input:
-                h_hat = (f.x[i] * sg) * r
-                dh = fma(-h_hat, c, f.g[i]) * r
-                f.out[i] = dh * sg                                   # dx
-                f.z[i] = (dh * f.x[i]) * dsg                         # dz
-                f.acc[i] = fma(f.dy[i], h_hat, f.acc[i])
-            else:
-                x_hat = f.x[i] * r
-                w = f.w[i] + offset if has_weight else float32(1.0)
-                f.out[i] = fma(-x_hat, c, f.g[i]) * r
-                f.z[i] = (f.dy[i] * (x_hat * w)) * dsg
-                f.acc[i] = fma(f.dy[i] * sg, x_hat, f.acc[i])
-        a, s = call.arrays, call.strides
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if col0 < n:
-                store(a.dx, outer * s.dx + inner * n, col0, f.out, k * chunk)
-                store(a.dz, outer * s.dz + inner * n, col0, f.z, k * chunk)
+                if cached:
+                    gradients(f, k * chunk, offset, r, c)
+                    store_chunk(call, outer, inner, col0, f, k * chunk)
+                else:
+                    load_chunk(call, outer, inner, live, col0, f, 0)
+                    load_ws(call.arrays.ws, ws_start, col0, f.acc, 0)
+                    gradients(f, 0, offset, r, c)
+                    store_chunk(call, outer, inner, col0, f, 0)
+                    store_partial(call.arrays.ws, ws_start, col0, f, 0)
 
     def gated_bwd(dy, x, z, weight, rstd, dx, dz, ws, m, groups, slots, dy_stride, x_stride,
                   z_stride, dx_stride, dz_stride, eps, weight_offset):
@@ -149,7 +186,6 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
             red = gpu.shared.array(red_shape, float32)
         f = Floats(gpu.local.array(span, float32), gpu.local.array(span, float32),
                    gpu.local.array(span, float32), gpu.local.array(span, float32),
-                   gpu.local.array(span, float32), gpu.local.array(span, float32),
                    gpu.local.array(span, float32))
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
@@ -157,8 +193,12 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         group = slot % groups
         first = slot // groups          # the slot's first full row, and its partial row
         step = slots // groups
+        ws_start = first * (groups * n) + group * n
         for i in range(span):
             f.acc[i] = float32(0.0)
+        if not cached:  # the workspace row holds the partial: zeros first (a thread its own)
+            for k in range(per_thread):
+                store_partial(ws, ws_start, (tx + k * threads) * chunk, f, 0)
         # every row of a block runs the block's most iterations: they share its barriers
         lead = int64(gpu.blockIdx.x) * rows // groups
         most = (m - lead + step - 1) // step
@@ -167,14 +207,11 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         parity = 0
         for it in range(most):
             outer = first + it * step
-            group_row(call, outer, group, outer < m, tx, ty, parity, red, f)
+            group_row(call, outer, group, outer < m, tx, ty, parity, red, f, ws_start)
             if not recompute:
                 parity ^= 1
-        for k in range(per_thread):
-            col0 = (tx + k * threads) * chunk
-            for q in range(0, chunk, 4):
-                if col0 + q < n:
-                    store_ws4(ws, first * (groups * n) + group * n, col0 + q, f.acc,
-                              k * chunk + q)
+        if cached:
+            for k in range(per_thread):
+                store_partial(ws, ws_start, (tx + k * threads) * chunk, f, k * chunk)
 
     return gated_bwd

@@ -59,6 +59,7 @@ def make_qk_norm(intr, spec: QkSpec):
     n, chunk, threads, rows = layout.n, layout.chunk, layout.threads, spec.rows
     per_thread = layout.chunks_per_thread
     cache_len = per_thread * chunk
+    rope_len = cache_len if spec.rope else 1
     rope, neox = spec.rope, spec.rope == "neox"
     gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
     x_io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
@@ -71,8 +72,17 @@ def make_qk_norm(intr, spec: QkSpec):
     red_align = intr.shared_alignment
     n_f32 = float32(n)
     nan = float32(math.nan)
-    # the neox partner of an element is another thread's: rows pass through shared memory
-    swap_shape = (rows, n if neox else 1)
+    # the neox partner of an element is another thread's.  The vector form is launched only
+    # where the cache rows are 16-byte aligned and the partner is the same slot of the chunk
+    # (rotary_dim / 2) / chunk threads away, a power of two (backends/_gpu.qk_norm): cos and sin
+    # come by 128-bit loads and, where a row is one chunk a thread within a warp, the partner by
+    # an xor shuffle.  Otherwise rows pass through shared memory, whose traffic bound the
+    # rotation (L1 83% busy, 2.7x the norm's time at D = 128, T = 4096 on the H100).
+    cache_vector = spec.vector and neox
+    shuffle = cache_vector and per_thread == 1 and threads <= 32
+    swap_shape = (rows, n if neox and not shuffle else 1)
+    shfl_xor = intr.shfl_xor
+    load_cache = ChunkIO(intr, spec.cache or _dtypes.FLOAT32, chunk, n, cache_vector).load
 
     @jitable
     def head_of(a, t, h):
@@ -87,7 +97,8 @@ def make_qk_norm(intr, spec: QkSpec):
     @jitable
     def normalise(a, head, live, tx, vals, wvals, red):
         """vals <- (v * rstd) * (weight + weight_offset) for this thread's chunks (float32,
-        rms_norm's operations in its order)."""
+        rms_norm's operations in its order).  The weight is read with the row, before the
+        reduction: no memory latency after it."""
         acc = float32(0.0)
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
@@ -97,26 +108,67 @@ def make_qk_norm(intr, spec: QkSpec):
                 for e in range(chunk):
                     vals[k * chunk + e] = float32(0.0)
         for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if live and col0 < n:
+                load_w(head.weight, 0, col0, wvals, k * chunk)
+        for k in range(per_thread):
             acc = acc + chunk_sumsq(vals, k * chunk)
         total = row_sum(acc, red, 0, gpu.threadIdx.y, tx)
         r = float32(1.0) / math.sqrt(total / n_f32 + a.eps)
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if live and col0 < n:
-                load_w(head.weight, 0, col0, wvals, 0)
                 for e in range(chunk):
-                    vals[k * chunk + e] = (vals[k * chunk + e] * r) * (wvals[e] + a.weight_offset)
+                    i = k * chunk + e
+                    vals[i] = (vals[i] * r) * (wvals[i] + a.weight_offset)
 
     @jitable
-    def cos_sin(a, row, i):
-        c = decode_cache(a.cache[row + i])
-        s = decode_cache(a.cache[row + (a.rot >> 1) + i])
-        return c, s
+    def load_cos_sin(a, t, live, tx, cos, sin):
+        """This thread's cos and sin of its rotated elements, read before the row's reduction
+        (they do not depend on it); whether the token's position is inside the cache."""
+        pos = int64(a.positions[t])
+        inside = pos >= 0 and pos < a.max_position
+        row = pos * a.cache_stride
+        half = a.rot >> 1
+        if cache_vector:
+            for k in range(per_thread):
+                col0 = (tx + k * threads) * chunk
+                if live and inside and col0 < a.rot:
+                    i = col0 if col0 < half else col0 - half
+                    load_cache(a.cache, row, i, cos, k * chunk)
+                    load_cache(a.cache, row + half, i, sin, k * chunk)
+            return inside
+        step = 1 if neox else 2     # a gptj pair's two elements share theirs (the even slot)
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            for e in range(0, chunk, step):
+                col = col0 + e
+                if live and inside and col < a.rot:
+                    if neox:
+                        i = col if col < half else col - half
+                    else:
+                        i = col >> 1
+                    cos[k * chunk + e] = decode_cache(a.cache[row + i])
+                    sin[k * chunk + e] = decode_cache(a.cache[row + half + i])
+        return inside
 
     @jitable
-    def rotate(a, t, live, tx, vals, swap):
+    def rotate(a, live, inside, tx, vals, cos, sin, swap):
         """RoPE over this thread's chunks of the first ``rot`` elements (vals float32)."""
         ty = gpu.threadIdx.y
+        half = a.rot >> 1
+        if shuffle:     # every lane of the warp takes part, live or not
+            lanes = half // chunk
+            for e in range(chunk):
+                other = shfl_xor(vals[e], lanes)
+                if live and tx * chunk < a.rot:
+                    if not inside:
+                        vals[e] = nan
+                    elif tx * chunk < half:
+                        vals[e] = fma(vals[e], cos[e], -(other * sin[e]))
+                    else:
+                        vals[e] = fma(vals[e], cos[e], other * sin[e])
+            return
         if neox:
             for k in range(per_thread):
                 col0 = (tx + k * threads) * chunk
@@ -126,37 +178,33 @@ def make_qk_norm(intr, spec: QkSpec):
             gpu.syncthreads()
         if not live:
             return
-        pos = int64(a.positions[t])
-        inside = pos >= 0 and pos < a.max_position
-        row = pos * a.cache_stride
-        half = a.rot >> 1
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if neox:
                 for e in range(chunk):
                     col = col0 + e
+                    i = k * chunk + e
                     if col < a.rot:
-                        v = vals[k * chunk + e]
                         if not inside:
-                            vals[k * chunk + e] = nan
+                            vals[i] = nan
                         elif col < half:
-                            c, s = cos_sin(a, row, col)
-                            vals[k * chunk + e] = fma(v, c, -(swap[ty, col + half] * s))
+                            other = swap[ty, col + half]
+                            vals[i] = fma(vals[i], cos[i], -(other * sin[i]))
                         else:
-                            c, s = cos_sin(a, row, col - half)
-                            vals[k * chunk + e] = fma(v, c, swap[ty, col - half] * s)
+                            other = swap[ty, col - half]
+                            vals[i] = fma(vals[i], cos[i], other * sin[i])
             else:
                 for e in range(0, chunk, 2):
                     col = col0 + e
+                    i = k * chunk + e
                     if col < a.rot:
-                        even, odd = vals[k * chunk + e], vals[k * chunk + e + 1]
+                        even, odd = vals[i], vals[i + 1]
                         if not inside:
-                            vals[k * chunk + e] = nan
-                            vals[k * chunk + e + 1] = nan
+                            vals[i] = nan
+                            vals[i + 1] = nan
                         else:
-                            c, s = cos_sin(a, row, col >> 1)
-                            vals[k * chunk + e] = fma(even, c, -(odd * s))
-                            vals[k * chunk + e + 1] = fma(odd, c, even * s)
+                            vals[i] = fma(even, cos[i], -(odd * sin[i]))
+                            vals[i + 1] = fma(odd, cos[i], even * sin[i])
 
     @jitable
     def run(a):
@@ -166,15 +214,20 @@ def make_qk_norm(intr, spec: QkSpec):
             red = gpu.shared.array(red_shape, float32)
         swap = gpu.shared.array(swap_shape, float32)
         vals = gpu.local.array(cache_len, float32)
-        wvals = gpu.local.array(chunk, float32)
+        wvals = gpu.local.array(cache_len, float32)
+        cos = gpu.local.array(rope_len, float32)
+        sin = gpu.local.array(rope_len, float32)
         tx = gpu.threadIdx.x
         t = int64(gpu.blockIdx.x)
         h = int64(gpu.blockIdx.y) * rows + gpu.threadIdx.y
         live = h < a.hq + a.hk
         head = head_of(a, t, h if live else int64(0))
+        inside = True
+        if rope:
+            inside = load_cos_sin(a, t, live, tx, cos, sin)
         normalise(a, head, live, tx, vals, wvals, red)
         if rope:
-            rotate(a, t, live, tx, vals, swap)
+            rotate(a, live, inside, tx, vals, cos, sin, swap)
         if live:
             for k in range(per_thread):
                 col0 = (tx + k * threads) * chunk

@@ -138,7 +138,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         store_q = make_fp4_store(intr, chunk)
     else:
         store_q = (make_quant_store(intr, element, chunk, n, spec.vector, fma_levels,
-                                    mx=quant == _dtypes.MXFP8) if quant else None)
+                                    mx=quant == _dtypes.MXFP8, unbounded=static)
+                   if quant else None)
     scale_of = make_group_scale(intr, scaling, quant) if scaling else None
     store_q_converted = (make_quant_store(intr, quant, chunk, n, spec.vector) if fma_levels
                          else store_q)
