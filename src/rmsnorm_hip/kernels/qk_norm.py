@@ -153,6 +153,15 @@ def make_qk_norm(intr, spec: QkSpec):
         return inside
 
     @jitable
+    def neox_rotated(v, other, c, s, first_half, inside):
+        """One neox element rotated against its partner ``other`` (NaN outside the cache)."""
+        if not inside:
+            return nan
+        if first_half:
+            return fma(v, c, -(other * s))
+        return fma(v, c, other * s)
+
+    @jitable
     def rotate(a, live, inside, tx, vals, cos, sin, swap):
         """RoPE over this thread's chunks of the first ``rot`` elements (vals float32)."""
         ty = gpu.threadIdx.y
@@ -162,12 +171,8 @@ def make_qk_norm(intr, spec: QkSpec):
             for e in range(chunk):
                 other = shfl_xor(vals[e], lanes)
                 if live and tx * chunk < a.rot:
-                    if not inside:
-                        vals[e] = nan
-                    elif tx * chunk < half:
-                        vals[e] = fma(vals[e], cos[e], -(other * sin[e]))
-                    else:
-                        vals[e] = fma(vals[e], cos[e], other * sin[e])
+                    vals[e] = neox_rotated(vals[e], other, cos[e], sin[e], tx * chunk < half,
+                                           inside)
             return
         if neox:
             for k in range(per_thread):
@@ -185,14 +190,9 @@ def make_qk_norm(intr, spec: QkSpec):
                     col = col0 + e
                     i = k * chunk + e
                     if col < a.rot:
-                        if not inside:
-                            vals[i] = nan
-                        elif col < half:
-                            other = swap[ty, col + half]
-                            vals[i] = fma(vals[i], cos[i], -(other * sin[i]))
-                        else:
-                            other = swap[ty, col - half]
-                            vals[i] = fma(vals[i], cos[i], other * sin[i])
+                        other = swap[ty, col + half if col < half else col - half]
+                        vals[i] = neox_rotated(vals[i], other, cos[i], sin[i], col < half,
+                                               inside)
             else:
                 for e in range(0, chunk, 2):
                     col = col0 + e
