@@ -659,10 +659,12 @@ S = SimCase
 SIM_CASES = [
     # one thread a row, 128 rows a block, a ragged chunk (scalar only); 33 rows
     S(FLOAT32, 3, 33, FLOAT32, norm_before_gate=True, given_rstd=False),
-    # two threads a row, 64 rows a block, no weight; 33 rows
-    S(BFLOAT16, 16, 33, None, norm_before_gate=True),
-    # two warps a row (64 threads), summed through shared memory; offset
-    S(FLOAT32, 256, 2, FLOAT32, weight_offset=0.5),
+    # two threads a row, 64 rows a block, no weight; 33 rows (the last row alone: a streamed
+    # program, bitwise the batch's one-shot rows)
+    S(BFLOAT16, 16, 33, None),
+    # two warps a row (64 threads), summed through shared memory; offset; 6 rows (alone:
+    # streamed, the weight held, the output gate after it)
+    S(FLOAT32, 256, 6, FLOAT32, norm_before_gate=True, weight_offset=0.5),
     # groups: five of 40 a row (8 threads each, 16 group rows a block, 80-slot backward grid)
     S(FLOAT16, 200, 3, FLOAT16, group_size=40, given_rstd=False),
     # a backward row read twice (looped: 512 threads of 4-5 chunks), ragged over the threads

@@ -178,14 +178,19 @@ class GpuBackend:
         pointers = x.ptr | z.ptr | y.ptr | (weight.ptr if weight is not None else 0)
         vector = (self._rows_aligned(n, x.dtype, tuple(strides) + tuple(heads[1:]))
                   and not pointers & _ALIGN_MASK)
+        # whole rows stream where the fused add does (z is a second input like its residual)
+        stream = h == 1 and _config.fwd_stream(self.vendor, True, "", m, self.sm_count)
         spec = _config.fwd_spec(n, x.dtype, weight.dtype if weight is not None else "", vector,
-                                rstd is not None, vendor=self.vendor, heads=h > 1, gate=gate)
+                                rstd is not None, stream=stream, vendor=self.vendor,
+                                heads=h > 1, gate=gate)
         kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
+        threads = spec.layout.threads * spec.rows
+        per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
         f32 = _dtypes.FLOAT32
         args = (self.arg(x, x.dtype), self.arg(z, x.dtype), self.arg(weight, f32),
                 self.arg(y, y.dtype), self.arg(rstd, f32), m, *strides, eps, weight_offset,
                 *heads)
-        self.launch(kernel, (_config.ceil_div(m, spec.rows), 1, 1),
+        self.launch(kernel, (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1),
                     (spec.layout.threads, spec.rows, 1), args, self.stream_for(x))
 
     # ---- fused residual add / quantised forward --------------------------------------------

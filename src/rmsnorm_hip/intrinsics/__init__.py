@@ -43,6 +43,9 @@ Names every GPU namespace provides
                                   NaN gives -6 / -448 (its block's scale byte says NaN anyway)
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
                                   two <= warp), every lane gets the result (warp_max: NaN wins)
+``sigmoid``                       float32 1 / (1 + exp(-v)): on GPUs from the hardware's
+                                  approximate exp2 and reciprocal (a few ulp), elsewhere exact
+                                  to float32 rounding
 ``shfl_xor(value, lanes)``         float32 ``value`` of lane ``lane ^ lanes``, every lane of the
                                   warp taking part (the CPU's: its own value)
 ``atomic_add_f32``                 float32 atomic add at ``ptr[i]`` (no result; CUDA: PTX ``red``)
@@ -68,7 +71,7 @@ COMMON = frozenset({
     "name", "warp", "gpu", "jitable", "features", "fma", "f32_as_u32", "u32_as_f32",
     "bf16_to_f32", "f32_to_bf16", "f16_to_f32", "f32_to_f16", "pack_bf16x2", "pack_f16x2",
     "f32_to_i8", "f32_to_e4m3", "f32_to_e2m1", "pack_e4m3x2", "mx_pack_e2m1x2", "mx_pack_e4m3x2",
-    "max_nan", "warp_sum", "warp_max", "shfl_xor"})
+    "max_nan", "warp_sum", "warp_max", "shfl_xor", "sigmoid"})
 # what every GPU namespace adds
 GPU = COMMON | frozenset({
     "shared_alignment", "align_offset", "load_b128", "load_b128_stream", "store_b128",

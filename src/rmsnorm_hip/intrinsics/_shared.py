@@ -6,6 +6,7 @@ binds them to one backend's bit casts, shuffle and ``jitable`` decorator.
 Integer constants carry explicit widths: the simulator runs these as NumPy scalars, where
 ``np.uint16(x) << 16`` would stay 16-bit (NEP 50), while compiled numba widens.
 """
+import math
 from types import SimpleNamespace
 
 from numba import float32, int32, uint16, uint32
@@ -156,6 +157,10 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
             offset >>= 1
         return value
 
+    @jitable
+    def sigmoid(v):     # the GPU namespaces replace it with their approximate instructions
+        return float32(1.0) / (float32(1.0) + math.exp(-v))
+
     return SimpleNamespace(bf16_to_f32=bf16_to_f32, f32_to_bf16=f32_to_bf16,
                            f16_to_f32=f16_to_f32, f32_to_f16=f32_to_f16,
                            pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2, f32_to_i8=f32_to_i8,
@@ -164,4 +169,4 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
                            # MX e4m3 elements are plain e4m3fn levels of pre-scaled values
                            mx_pack_e4m3x2=pack_e4m3x2,
                            max_nan=max_nan, warp_sum=warp_sum,
-                           warp_max=warp_max, shfl_xor=shfl_xor)
+                           warp_max=warp_max, shfl_xor=shfl_xor, sigmoid=sigmoid)

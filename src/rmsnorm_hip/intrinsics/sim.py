@@ -317,12 +317,20 @@ def f32_to_i8(value):
     return np.int32(min(127.0, max(-128.0, np.rint(v))))
 
 
+def sigmoid(value):
+    """float32 1 / (1 + exp(-v)); exp overflowing to inf gives 0, as on the GPU."""
+    with np.errstate(over="ignore"):
+        e = np.exp(-np.float32(value))
+    return np.float32(np.float32(1.0) / (np.float32(1.0) + e))
+
+
 def build(warp):
     _poison_shared_memory()
     _event_driven_blocks()
     shared = _shared.build(_identity, f32_as_u32, u32_as_f32, _make_shfl_xor(warp))
     shared.warp_sum, shared.warp_max = _make_warp_reductions(warp, shared.max_nan)
     shared.f32_to_i8 = f32_to_i8
+    shared.sigmoid = sigmoid
     return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="sim", warp=warp,
                            shared_alignment=16, gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,

@@ -133,9 +133,10 @@ class FwdSpec:
             raise ValueError(f"FwdSpec: held_weights needs a streamed spec with a weight or "
                              f"xscale, got stream={self.stream}, weight={self.weight!r}, "
                              f"xscale={self.xscale!r}")
-        if self.gate and (self.fused or self.stream):
-            raise ValueError(f"FwdSpec: gated rows are one-shot rows without the fused "
-                             f"switches, got fused={self.fused}, stream={self.stream}")
+        if self.gate and (self.fused or (self.stream and self.heads)):
+            raise ValueError(f"FwdSpec: gated rows take none of the fused switches, and group "
+                             f"rows are one-shot, got fused={self.fused}, stream={self.stream}, "
+                             f"heads={self.heads}")
         if self.heads and (self.fused or self.stream):
             raise ValueError(f"FwdSpec: head rows are rms_norm's one-shot rows, got fused="
                              f"{self.fused}, stream={self.stream}")
@@ -197,7 +198,7 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     # quantised kernel over the 64-VGPR gate (48 -> 69 VGPRs, gfx942)
     exact = (vendor == "cuda" and bool(quant) and layout.cached and n % layout.chunk == 0
              and layout.n_chunks == layout.threads * layout.chunks_per_thread)
-    stream = stream and vector and layout.cached and not heads and not gate
+    stream = stream and vector and layout.cached and not heads
     held = stream and bool(weight or xscale)
     return FwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
                    vector=vector, store_rstd=store_rstd, residual=residual, quant=quant,
@@ -222,6 +223,9 @@ def fwd_programs(spec, m, sm_count, resident_per_sm):
 GATED_BWD_MAX_THREADS = 512
 GATED_BWD_MAX_CACHED_FLOATS = 8
 GATED_BWD_BLOCKS_PER_SM = 2     # slots of the persistent grid: this many blocks per SM
+# short group rows share blocks of up to this many threads (the 512-thread cap of 128 registers
+# spilled the any-alignment form of short rows, with the next row's words held)
+GATED_BWD_SHARED_BLOCK_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -243,7 +247,8 @@ def gated_bwd_layout(g, dtype):
 
 def gated_bwd_spec(g, dtype, weight, vector, recompute_rstd, gate):
     layout = gated_bwd_layout(g, dtype)
-    return GatedBwdSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
+    rows = max(1, GATED_BWD_SHARED_BLOCK_THREADS // layout.threads)
+    return GatedBwdSpec(layout=layout, rows=rows, dtype=dtype, weight=weight,
                         vector=vector, recompute_rstd=recompute_rstd, gate=gate)
 
 

@@ -200,11 +200,13 @@ def heads_variants(ns=HEADS_REPRESENTATIVE_N, vendor="cuda"):
 # backward's looped row at 8192 (the same code as at any longer row)
 GATED_REPRESENTATIVE_N = (128, 127, 4096, 65536)
 GATED_BWD_N = (128, 127, 4096, 8192)
+GATED_STREAM_N = (4096,)
 
 
 def gated_variants(ns=GATED_REPRESENTATIVE_N, vendor="cuda"):
     """Gated forward and backward kernels per dtype and path: both gates, grouped and not,
     the vector and scalar forms, with the weight dtype and rstd rotating over them."""
+    streams = _config.FWD_STREAM_ROWS_PER_SM[vendor]["residual"] != 0
     for dtype in _dtypes.ACTIVATION_DTYPES:
         weights = _weights(dtype)
         for i, n in enumerate(dict.fromkeys(ns + GATED_BWD_N)):
@@ -215,6 +217,12 @@ def gated_variants(ns=GATED_REPRESENTATIVE_N, vendor="cuda"):
                     if n in ns:
                         spec = _config.fwd_spec(n, dtype, weights[k % len(weights)], vector,
                                                 k % 2 == 0, vendor=vendor, heads=k % 2 == 1,
+                                                gate=gate)
+                        yield Variant("gated", rmsnorm_fwd.make_rmsnorm_fwd, spec,
+                                      rmsnorm_fwd.argtypes(spec))
+                    if n in GATED_STREAM_N and vector and streams:  # decode batches' rows
+                        spec = _config.fwd_spec(n, dtype, weights[(k + 1) % len(weights)], True,
+                                                k % 2 == 1, stream=True, vendor=vendor,
                                                 gate=gate)
                         yield Variant("gated", rmsnorm_fwd.make_rmsnorm_fwd, spec,
                                       rmsnorm_fwd.argtypes(spec))

@@ -9,7 +9,10 @@ s' = sigmoid(z) * (1 + z * (1 - sigmoid(z))) and w = weight + weight_offset, per
     e = dy * s,  g = e * w,  x_hat = x * rstd,  c = sum(x * g) * rstd / G
     dx = (g - x_hat * c) * rstd;    dz = dy * (x_hat * w) * s';    dweight += e * x_hat
 
-rstd is the forward's, or recomputed from h (x for the output gate) with eps.  The grid's
+rstd is the forward's, or recomputed from h (x for the output gate) with eps.  Cached rows (a
+thread's share of a group row in registers) keep x, z and dy as the words of their 128-bit
+loads, decoded where used, and load the slot's next row while this one is reduced and its
+gradients stored.  The grid's
 blocks hold ``rows`` group rows each; block slot q (block * rows + row in block) takes group
 q % H of rows q // H, q // H + S, ... (S = slots / H, the grid sized so that H divides the
 slots), keeps its dweight partial of that group's G columns in registers and stores it to
@@ -20,7 +23,7 @@ strides), so dweight is deterministic and every row's dx and dz are batch invari
 import math
 from collections import namedtuple
 
-from numba import float32, int64, types
+from numba import float32, int64, types, uint32
 
 from .. import _dtypes
 from . import _config
@@ -32,6 +35,7 @@ Arrays = namedtuple("Arrays", "dy x z weight rstd dx dz ws")
 Strides = namedtuple("Strides", "dy x z dx dz")
 Call = namedtuple("Call", "arrays strides m groups eps weight_offset")
 Floats = namedtuple("Floats", "x z dy w acc")
+Words = namedtuple("Words", "x z dy")       # a cached row's chunks as loaded (4 words a chunk)
 
 
 def argtypes(spec: GatedBwdSpec):
@@ -55,7 +59,7 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
     span = per_thread * chunk if cached else chunk
     has_weight, recompute = bool(spec.weight), spec.recompute_rstd
     gated_input = spec.gate == "input"
-    gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
+    gpu, jitable, fma, sigmoid = intr.gpu, intr.jitable, intr.fma, intr.sigmoid
     shifted = _config.scalar_shifted(spec)
     io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector, shifted)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector, shifted)
@@ -64,13 +68,11 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
     store_ws4 = ChunkIO(intr, _dtypes.FLOAT32, 4, n, ws_vector, shifted).store
     load_ws = ChunkIO(intr, _dtypes.FLOAT32, chunk, n, ws_vector, shifted).load
     load, store, load_w = io.load, io.store, w_io.load
+    load_words, words_to_floats = io.load_words, io.words_to_floats
+    n_words = per_thread * 4
     row_sum = make_row_sum(intr, threads)
     red_shape, red_align = reduce_buffer_shape(intr, 2, rows, threads), intr.shared_alignment
     n_f32 = float32(n)
-
-    @jitable
-    def sigmoid(v):
-        return float32(1.0) / (float32(1.0) + math.exp(-v))
 
     @jitable
     def load_chunk(call, outer, inner, live, col0, f, slot):
@@ -140,6 +142,66 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
                 store_ws4(ws, start, col0 + q, f.acc, slot + q)
 
     @jitable
+    def load_row_words(call, outer, inner, live, tx, w):
+        """A cached group row's chunks of x, z and dy as words (zeros past the row, or for a
+        row that is not live)."""
+        a, s = call.arrays, call.strides
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if live and col0 < n:
+                load_words(a.x, outer * s.x + inner * n, col0, w.x, k * 4)
+                load_words(a.z, outer * s.z + inner * n, col0, w.z, k * 4)
+                load_words(a.dy, outer * s.dy + inner * n, col0, w.dy, k * 4)
+            else:
+                for j in range(k * 4, k * 4 + 4):
+                    w.x[j] = uint32(0)
+                    w.z[j] = uint32(0)
+                    w.dy[j] = uint32(0)
+
+    @jitable
+    def decode_chunk(call, inner, tx, w, k, f):
+        """Chunk k's words as floats at f's slot k * chunk, with the group's weight (read
+        where used, mostly from the L1, rather than held in registers across the reductions)."""
+        at, slot = k * 4, k * chunk
+        col0 = (tx + k * threads) * chunk
+        if has_weight:
+            if col0 < n:
+                load_w(call.arrays.weight, inner * n, col0, f.w, slot)
+            else:
+                for e in range(slot, slot + chunk):
+                    f.w[e] = float32(0.0)
+        words_to_floats(w.x[at], w.x[at + 1], w.x[at + 2], w.x[at + 3], f.x, slot)
+        words_to_floats(w.z[at], w.z[at + 1], w.z[at + 2], w.z[at + 3], f.z, slot)
+        words_to_floats(w.dy[at], w.dy[at + 1], w.dy[at + 2], w.dy[at + 3], f.dy, slot)
+
+    @jitable
+    def cached_row(call, outer, inner, live, tx, ty, parity, red, f, w):
+        """A cached group row from its words ``w``: dx and dz stored, the dweight partial
+        accumulated in f.acc.  The floats are decoded for the sums and again for the
+        gradients, so that only the words stay live across the row's reductions."""
+        offset = call.weight_offset
+        sxg = float32(0.0)
+        ss = float32(0.0)
+        for k in range(per_thread):
+            decode_chunk(call, inner, tx, w, k, f)
+            sxg, ss = sums(f, k * chunk, offset, sxg, ss)
+        sxg = row_sum(sxg, red, parity, ty, tx)
+        if recompute:
+            ss = row_sum(ss, red, parity ^ 1, ty, tx)
+            r = float32(1.0) / math.sqrt(ss / n_f32 + call.eps)
+        else:
+            r = call.arrays.rstd[outer * call.groups + inner] if live else float32(1.0)
+        if not live:
+            return
+        c = sxg * r / n_f32
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if col0 < n:
+                decode_chunk(call, inner, tx, w, k, f)
+                gradients(f, k * chunk, offset, r, c)
+                store_chunk(call, outer, inner, col0, f, k * chunk)
+
+    @jitable
     def group_row(call, outer, inner, live, tx, ty, parity, red, f, ws_start):
         """One group row: dx and dz stored, the dweight partial accumulated (in f.acc, or in
         the slot's workspace row for looped rows).  Rows that are not live (past M) take part
@@ -149,9 +211,8 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         ss = float32(0.0)
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
-            slot = k * chunk if cached else 0
-            load_chunk(call, outer, inner, live, col0, f, slot)
-            sxg, ss = sums(f, slot, offset, sxg, ss)
+            load_chunk(call, outer, inner, live, col0, f, 0)
+            sxg, ss = sums(f, 0, offset, sxg, ss)
         sxg = row_sum(sxg, red, parity, ty, tx)
         row = outer * call.groups + inner
         if recompute:
@@ -165,15 +226,11 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if col0 < n:
-                if cached:
-                    gradients(f, k * chunk, offset, r, c)
-                    store_chunk(call, outer, inner, col0, f, k * chunk)
-                else:
-                    load_chunk(call, outer, inner, live, col0, f, 0)
-                    load_ws(call.arrays.ws, ws_start, col0, f.acc, 0)
-                    gradients(f, 0, offset, r, c)
-                    store_chunk(call, outer, inner, col0, f, 0)
-                    store_partial(call.arrays.ws, ws_start, col0, f, 0)
+                load_chunk(call, outer, inner, live, col0, f, 0)
+                load_ws(call.arrays.ws, ws_start, col0, f.acc, 0)
+                gradients(f, 0, offset, r, c)
+                store_chunk(call, outer, inner, col0, f, 0)
+                store_partial(call.arrays.ws, ws_start, col0, f, 0)
 
     def gated_bwd(dy, x, z, weight, rstd, dx, dz, ws, m, groups, slots, dy_stride, x_stride,
                   z_stride, dx_stride, dz_stride, eps, weight_offset):
@@ -205,11 +262,28 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         # consecutive reductions alternate between the two halves of red (one barrier each):
         # a row that recomputes rstd runs two, parity then parity ^ 1
         parity = 0
-        for it in range(most):
-            outer = first + it * step
-            group_row(call, outer, group, outer < m, tx, ty, parity, red, f, ws_start)
-            if not recompute:
-                parity ^= 1
+        if cached:
+            w = Words(gpu.local.array(n_words, uint32), gpu.local.array(n_words, uint32),
+                      gpu.local.array(n_words, uint32))
+            ahead = Words(gpu.local.array(n_words, uint32), gpu.local.array(n_words, uint32),
+                          gpu.local.array(n_words, uint32))
+            load_row_words(call, first, group, first < m, tx, w)
+            for it in range(most):
+                outer = first + it * step
+                load_row_words(call, outer + step, group, outer + step < m, tx, ahead)
+                cached_row(call, outer, group, outer < m, tx, ty, parity, red, f, w)
+                if not recompute:
+                    parity ^= 1
+                for j in range(n_words):
+                    w.x[j] = ahead.x[j]
+                    w.z[j] = ahead.z[j]
+                    w.dy[j] = ahead.dy[j]
+        else:
+            for it in range(most):
+                outer = first + it * step
+                group_row(call, outer, group, outer < m, tx, ty, parity, red, f, ws_start)
+                if not recompute:
+                    parity ^= 1
         if cached:
             for k in range(per_thread):
                 store_partial(ws, ws_start, (tx + k * threads) * chunk, f, k * chunk)

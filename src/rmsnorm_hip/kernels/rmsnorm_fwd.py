@@ -162,10 +162,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     red_shape = reduce_buffer_shape(intr, red_bufs, rows, threads)
     red_align = intr.shared_alignment
     words = per_thread * 4 if stream else 1     # 32-bit words of a row's chunks per thread
-    residual_words = words if has_residual else 1
+    # the second word buffer: the residual's, or a gated row's z (a gated row has no residual)
+    residual_words = words if has_residual or gate else 1
     load_words, words_to_floats = x_io.load_words, x_io.words_to_floats
     wait_prior_grids, release_dependents = intr.wait_prior_grids, intr.release_dependents
     warp_max, max_nan = intr.warp_max, intr.max_nan
+    sigmoid = intr.sigmoid
 
     @jitable
     def add_residual(vals, slot, rvals, rslot):
@@ -195,7 +197,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         multiplied by it (h = x * silu(z), float32, not rounded)."""
         for e in range(chunk):
             zv = gvals[gslot + e]
-            g = zv / (float32(1.0) + math.exp(-zv))
+            g = zv * sigmoid(zv)
             gvals[gslot + e] = g
             if gated_input:
                 vals[slot + e] = vals[slot + e] * g
@@ -270,7 +272,10 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         vals, wvals = sc.vals, sc.wvals
         if held:
             for e in range(chunk):
-                vals[slot + e] = (vals[slot + e] * r) * sc.gains[slot + e]
+                v = (vals[slot + e] * r) * sc.gains[slot + e]
+                if gate == "output":
+                    v = v * sc.rvals[slot + e]
+                vals[slot + e] = v
             return
         if has_weight:
             load_w(call.arrays.weight, at.weight, col0, wvals, 0)
@@ -541,8 +546,8 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     # ---- streamed rows (spec.stream: cached vector layouts) -------------------------------
     @jitable
     def load_row_words(call, row, tx, buf):
-        """This thread's chunks of row ``row`` of x (and residual) as loaded 32-bit words, zeros
-        past M or the row's end."""
+        """This thread's chunks of row ``row`` of x (and residual, or z) as loaded 32-bit words,
+        zeros past M or the row's end."""
         a, s = call.arrays, call.strides
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
@@ -550,10 +555,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 load_words(a.x, row * s.x, col0, buf.x, k * 4)
                 if has_residual:
                     load_words(a.residual, row * s.residual, col0, buf.residual, k * 4)
+                if gate:
+                    load_words(a.z, row * s.z, col0, buf.residual, k * 4)
             else:
                 for e in range(4):
                     buf.x[k * 4 + e] = uint32(0)
-                    if has_residual:
+                    if has_residual or gate:
                         buf.residual[k * 4 + e] = uint32(0)
 
     @jitable
@@ -570,6 +577,9 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             if has_residual:
                 words_to_chunk(this_words.residual, k, sc.rvals, 0)
                 add_residual(sc.vals, k * chunk, sc.rvals, 0)
+            if gate:
+                words_to_chunk(this_words.residual, k, sc.rvals, k * chunk)
+                gate_chunk(sc.vals, k * chunk, sc.rvals, k * chunk)
         load_row_words(call, row + step, tx, next_words)
         at = row_starts(call, row)
         if has_residual:
