@@ -262,6 +262,63 @@ def test_cuda_graph_replay_is_bitwise_eager(rng, case):
         assert torch.equal(torch_bits(graph_k), torch_bits(expected_k)), f"replay {replay}: k"
 
 
+# ---- repeat calls -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", [c for c in MATRIX if c.id in QUICK and c.rope],
+                         ids=lambda c: c.id)
+def test_repeat_calls(rng, monkeypatch, case):
+    """A call repeating an earlier one's metadata launches without full validation (qk._qk
+    not called), with the first call's bits, in place and out of place, on other data; one
+    element off its alignment (same metadata) it takes the scalar kernel, same bits.  Full
+    validation still refuses, with the same metadata, a k moved onto q and a weight inside q."""
+    from rmsnorm_hip import functional
+    from rmsnorm_hip import qk as qk_module
+    functional.forget_plans()
+    hq, hk = case.heads
+    call = Call.make(rng, case)
+    rope = {name: to_torch(a) if isinstance(a, np.ndarray) else a
+            for name, a in call.rope.items()}
+    weights = to_torch(call.q_weight), to_torch(call.k_weight)
+
+    def views(qkv, at=hq):
+        q = qkv[..., :hq * case.d].unflatten(-1, (hq, case.d))
+        k = qkv[..., at * case.d:(at + hk) * case.d].unflatten(-1, (hk, case.d))
+        return q, k
+
+    def shifted(t):     # the same shape and strides one element past t's alignment
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=DEVICE)[1:].view(t.shape)
+        return flat.copy_(t)
+
+    full = []
+    shipped = qk_module._qk
+    monkeypatch.setattr(qk_module, "_qk", lambda *a, **kw: full.append(a[0]) or shipped(*a, **kw))
+    first = to_torch(call.buf)
+    expected = first.clone()
+    rmsnorm_hip.qk_rms_norm_(*views(expected), *weights, EPS, weight_offset=case.offset, **rope)
+    expected_out = rmsnorm_hip.qk_rms_norm(*views(first), *weights, EPS,
+                                           weight_offset=case.offset, **rope)
+    assert full == ["qk_rms_norm_", "qk_rms_norm"]
+    for qkv in (first.clone(), shifted(first)):
+        out = rmsnorm_hip.qk_rms_norm(*views(qkv), *weights, EPS, weight_offset=case.offset,
+                                      **rope)
+        rmsnorm_hip.qk_rms_norm_(*views(qkv), *weights, EPS, weight_offset=case.offset, **rope)
+        assert torch.equal(torch_bits(qkv), torch_bits(expected)), "in place, repeated"
+        for got, want, what in zip(out, expected_out, ("q_out", "k_out")):
+            assert torch.equal(torch_bits(got), torch_bits(want)), f"{what}, repeated"
+    assert full == ["qk_rms_norm_", "qk_rms_norm"], full
+
+    qkv = first.clone()
+    with pytest.raises(ValueError, match="overlaps"):    # k's columns now inside q's
+        rmsnorm_hip.qk_rms_norm_(*views(qkv, at=hq - 1), *weights, EPS,
+                                 weight_offset=case.offset, **rope)
+    if weights[0].dtype == qkv.dtype:       # q_weight: q's first head row, a (D,) view
+        inside = qkv.reshape(-1, qkv.shape[-1])[0, :case.d]
+        with pytest.raises(ValueError, match="overlaps"):
+            rmsnorm_hip.qk_rms_norm_(*views(qkv), inside, weights[1], EPS,
+                                     weight_offset=case.offset, **rope)
+    assert torch.equal(torch_bits(qkv), torch_bits(first)), "refused calls wrote nothing"
+
+
 # ---- positions outside the cache ------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [MAX_POSITION, -1, 2**31 - 1])

@@ -708,3 +708,23 @@ def test_power_of_two_scales_at_their_boundaries(scaling, quant):
             e = np.clip(np.where(a == 0, -127, np.floor(np.log2(a)) - emax), -127, 127)
             assert np.array_equal(stored.astype(np.int64), (e + 127).astype(np.int64))
             assert np.array_equal(inv.astype(np.float64), 2.0 ** -e)
+
+
+@pytest.mark.parametrize("scaling,group,quant", [("group", 128, "float8_e4m3fn"),
+                                                 ("mx", 32, "mxfp4_e2m1"),
+                                                 ("static", 0, "float8_e4m3fn")])
+def test_streamed_rows_register_bound(scaling, group, quant):
+    """Streamed scaled rows holding a weight declare 128 registers a thread to CUDA (as many
+    blocks per SM as that allows); with a residual, an xscale or no weight, one-shot rows, and
+    per-row SmoothQuant: no bound."""
+    def spec(n=8192, weight=BFLOAT16, residual=False, xscale="", stream=True, scaling=scaling):
+        return _config.fwd_spec(n, BFLOAT16, weight, True, False, residual, quant, xscale,
+                                False, stream, vendor="cuda", scaling=scaling,
+                                group=group if scaling not in ("static", "") else 0)
+    assert _config.launch_bounds(spec()) == (256, 2)
+    assert _config.launch_bounds(spec(n=4096)) == (128, 4)
+    for other in (spec(weight=""), spec(residual=True), spec(xscale=FLOAT32),
+                  spec(stream=False)):
+        assert _config.launch_bounds(other) == (None, None), other
+    if quant != "mxfp4_e2m1":
+        assert _config.launch_bounds(spec(scaling="")) == (None, None)

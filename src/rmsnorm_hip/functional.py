@@ -17,6 +17,8 @@ __all__ = ["rms_norm", "rms_norm_backward", "fused_add_rms_norm", "fused_add_rms
 _fwd_runners = {}
 _bwd_runners = {}
 _fused_runners = {}
+_qk_runners = {}        # qk.py's
+_gated_runners = {}     # gated.py's
 _MAX_RUNNERS = 4096
 _F32_MAX = _validate._FLOAT32_MAX
 
@@ -37,7 +39,7 @@ def forget_plans():
     """Drop every memoised launch plan and repeat-call runner (compiled kernels stay cached), so
     that the next call chooses its kernel from kernels/_config as it is now: for tuning scripts
     and tests that patch the config in a running process."""
-    for runners in (_fwd_runners, _bwd_runners, _fused_runners):
+    for runners in (_fwd_runners, _bwd_runners, _fused_runners, _qk_runners, _gated_runners):
         runners.clear()
     for backend in list(backends._backends.values()):
         forget = getattr(backend, "forget_plans", None)

@@ -5,7 +5,8 @@ the backward kernels/gated_bwd.py."""
 import operator
 
 from . import _arrays, _dtypes, _validate, backends
-from .functional import _rows_of_x, _vector_arg
+from .functional import (_MAX_RUNNERS, _backend_env, _gated_runners, _rows_of_x, _runner,
+                         _vector_arg)
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_backward"]
 
@@ -25,6 +26,15 @@ def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_
     storage, as everywhere.  Returns y, or ``(y, rstd)`` with rstd float32 (M,), or (M, N //
     group_size) with groups."""
     fn = "rms_norm_gated"
+    key = None
+    if out is None and dtype is None and type(return_rstd) is bool and type(
+            norm_before_gate) is bool and (group_size is None or type(group_size) is int):
+        key = _arrays.fast_key(x, weight, (group_size, norm_before_gate, return_rstd,
+                                           _backend_env()), (z,))
+        run = _runner(_gated_runners, key, eps, weight_offset, weight)
+        if run is not None:
+            y, rstd = run(x, z, weight, eps, weight_offset)
+            return (y, rstd) if return_rstd else y
     reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
     _validate.required(z, fn, "z")
     zi = _arrays.describe(z, "z", reinterpret, fn)
@@ -46,10 +56,18 @@ def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_
     groups = n // g
     stat_shape = (m,) if group_size is None else (m, groups)
     ri = _arrays.empty(xi, stat_shape, _dtypes.FLOAT32)[1] if return_rstd else None
+    gate = "output" if norm_before_gate else "input"
     if m > 0:
         backend.rms_norm_gated_fwd(xi, zi, wi, yi, ri, m * groups, g,
                                    (x_stride, z_stride, y_stride), (groups, g, g, g), eps,
-                                   weight_offset, "output" if norm_before_gate else "input")
+                                   weight_offset, gate)
+    if key is not None and hasattr(backend, "gated_runner"):
+        if len(_gated_runners) > _MAX_RUNNERS:
+            _gated_runners.clear()
+        _gated_runners[key] = backend.gated_runner(
+            _arrays.FastIO(xi), xi.shape, m * groups, g, (x_stride, z_stride, y_stride),
+            (groups, g, g, g), xi.dtype, wi.dtype if wi is not None else "", return_rstd,
+            stat_shape, gate)
     if out is None:
         y = yi.result()
     else:

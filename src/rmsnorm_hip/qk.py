@@ -3,6 +3,7 @@ one launch, optionally rotated (RoPE) before the one rounding.  Validation happe
 any launch; the kernel is kernels/qk_norm.py (the CPU's: kernels/cpu_rmsnorm.make_cpu_qk_norm)."""
 
 from . import _arrays, _validate, backends
+from .functional import _MAX_RUNNERS, _backend_env, _qk_runners, _runner
 from .kernels._config import QK_MAX_HEAD_SIZE
 from .kernels.qk_norm import Geometry
 
@@ -23,20 +24,45 @@ def qk_rms_norm_(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, posit
     rounding: ``rope_style="neox"`` rotates the two halves, ``"gptj"`` interleaved pairs.
     q and k are usually views into one QKV buffer (any token and head strides); they must not
     share an element with each other or another argument.  Returns None."""
-    _qk("qk_rms_norm_", q, k, q_weight, k_weight, eps, weight_offset, positions, cos_sin_cache,
-        rope_style, rotary_dim, dtype, in_place=True)
+    fn = "qk_rms_norm_"
+    key = _repeat_key(fn, q, k, q_weight, k_weight, positions, cos_sin_cache, rope_style,
+                      rotary_dim, dtype)
+    run = _runner(_qk_runners, key, eps, weight_offset, q_weight)
+    # None: k has moved against q, or the arrays' spans meet: full validation looks at them
+    if run is not None and run(q, k, q_weight, k_weight, positions, cos_sin_cache, eps,
+                               weight_offset) is not None:
+        _arrays.bump_versions(q, k)
+        return
+    _qk(fn, q, k, q_weight, k_weight, eps, weight_offset, positions, cos_sin_cache,
+        rope_style, rotary_dim, dtype, True, key)
 
 
 def qk_rms_norm(q, k, q_weight, k_weight, eps=1e-6, *, weight_offset=0.0, positions=None,
                 cos_sin_cache=None, rope_style="neox", rotary_dim=None, dtype=None):
     """:func:`qk_rms_norm_` into new arrays: ``(q_out, k_out)``, contiguous, shaped like q and k;
     q and k are not modified."""
-    return _qk("qk_rms_norm", q, k, q_weight, k_weight, eps, weight_offset, positions,
-               cos_sin_cache, rope_style, rotary_dim, dtype, in_place=False)
+    fn = "qk_rms_norm"
+    key = _repeat_key(fn, q, k, q_weight, k_weight, positions, cos_sin_cache, rope_style,
+                      rotary_dim, dtype)
+    run = _runner(_qk_runners, key, eps, weight_offset, q_weight)
+    if run is not None:
+        return run(q, k, q_weight, k_weight, positions, cos_sin_cache, eps, weight_offset)
+    return _qk(fn, q, k, q_weight, k_weight, eps, weight_offset, positions, cos_sin_cache,
+               rope_style, rotary_dim, dtype, False, key)
+
+
+def _repeat_key(fn, q, k, q_weight, k_weight, positions, cache, rope_style, rotary_dim, dtype):
+    """The key of a call's repeat-call runner (torch / CuPy device arrays of one library), or
+    None."""
+    if dtype is not None or type(rope_style) is not str or not (
+            rotary_dim is None or type(rotary_dim) is int):
+        return None
+    return _arrays.fast_key(q, q_weight, (fn, rope_style, rotary_dim, _backend_env()),
+                            (k, k_weight, positions, cache))
 
 
 def _qk(fn, q, k, q_weight, k_weight, eps, weight_offset, positions, cache, rope_style,
-        rotary_dim, dtype, in_place):
+        rotary_dim, dtype, in_place, plan_key=None):
     reinterpret = _validate.reinterpret(dtype, fn)
     qi = _arrays.describe(q, "q", reinterpret, fn)
     _validate.activation_dtype(qi, fn, "q")
@@ -85,9 +111,17 @@ def _qk(fn, q, k, q_weight, k_weight, eps, weight_offset, positions, cache, rope
         qoi = _arrays.empty(qi, qi.shape, qi.dtype)[1]
         koi = _arrays.empty(qi, ki.shape, qi.dtype)[1]
         qo_strides, ko_strides = (hq * d, d), (hk * d, d)
+    geo = Geometry(t, hq, hk, d, q_strides, k_strides, qo_strides, ko_strides, rope)
     if t * (hq + hk) > 0:
-        geo = Geometry(t, hq, hk, d, q_strides, k_strides, qo_strides, ko_strides, rope)
         backend.qk_norm(qi, ki, qwi, kwi, qoi, koi, pi, ci, geo, eps, weight_offset)
+    if plan_key is not None and hasattr(backend, "qk_runner"):
+        if len(_qk_runners) > _MAX_RUNNERS:
+            _qk_runners.clear()
+        spans = tuple(0 if info is None else info.extent_bytes()
+                      for info in (qi, ki, qwi, kwi, pi, ci))
+        _qk_runners[plan_key] = backend.qk_runner(
+            _arrays.FastIO(qi), geo, qi.dtype, qwi.dtype, (qi.shape, ki.shape), in_place,
+            ki.ptr - qi.ptr, spans)
     if in_place:
         _arrays.bump_versions(q, k)
         return None

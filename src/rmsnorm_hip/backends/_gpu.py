@@ -174,24 +174,66 @@ class GpuBackend:
         """Gated rows (FwdSpec.gate "input" / "output") of ``n`` elements: a row's groups when
         ``heads`` = (H, head strides of x, z, y) has H > 1 (the row strides are then per H
         rows, and group i takes weight[i * n:]).  ``strides``: row strides of (x, z, y)."""
-        h = heads[0]
+        plan, mask = self._gated_plans(m, n, x.dtype, weight.dtype if weight is not None else "",
+                                       rstd is not None, strides, heads, gate)
         pointers = x.ptr | z.ptr | y.ptr | (weight.ptr if weight is not None else 0)
-        vector = (self._rows_aligned(n, x.dtype, tuple(strides) + tuple(heads[1:]))
-                  and not pointers & _ALIGN_MASK)
-        # whole rows stream where the fused add does (z is a second input like its residual)
-        stream = h == 1 and _config.fwd_stream(self.vendor, True, "", m, self.sm_count)
-        spec = _config.fwd_spec(n, x.dtype, weight.dtype if weight is not None else "", vector,
-                                rstd is not None, stream=stream, vendor=self.vendor,
-                                heads=h > 1, gate=gate)
-        kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
-        threads = spec.layout.threads * spec.rows
-        per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
+        kernel, grid, block = plan(bool(mask) and not pointers & mask)
         f32 = _dtypes.FLOAT32
         args = (self.arg(x, x.dtype), self.arg(z, x.dtype), self.arg(weight, f32),
                 self.arg(y, y.dtype), self.arg(rstd, f32), m, *strides, eps, weight_offset,
                 *heads)
-        self.launch(kernel, (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1),
-                    (spec.layout.threads, spec.rows, 1), args, self.stream_for(x))
+        self.launch(kernel, grid, block, args, self.stream_for(x))
+
+    def _gated_plans(self, m, n, dtype, weight_dtype, store_rstd, strides, heads, gate):
+        """(plan(vector) -> (kernel, grid, block), built on first use; the alignment mask,
+        0 where the strides allow no vector kernel) of a gated forward's metadata."""
+        h = heads[0]
+        vector_ok = self._rows_aligned(n, dtype, tuple(strides) + tuple(heads[1:]))
+        # whole rows stream where the fused add does (z is a second input like its residual)
+        stream = h == 1 and _config.fwd_stream(self.vendor, True, "", m, self.sm_count)
+        plans = {}
+
+        def plan(vector):
+            found = plans.get(vector)
+            if found is None:
+                spec = _config.fwd_spec(n, dtype, weight_dtype, vector, store_rstd,
+                                        stream=stream, vendor=self.vendor, heads=h > 1,
+                                        gate=gate)
+                kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec,
+                                     rmsnorm_fwd.argtypes(spec))
+                threads = spec.layout.threads * spec.rows
+                per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
+                found = plans[vector] = (
+                    kernel, (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1),
+                    (spec.layout.threads, spec.rows, 1))
+            return found
+        return plan, (_ALIGN_MASK if vector_ok else 0)
+
+    def gated_runner(self, io, shape, m, n, strides, heads, dtype, weight_dtype, return_rstd,
+                     stat_shape, gate):
+        """``run(x, z, weight, eps, weight_offset) -> (y, rstd or None)`` for repeat calls of
+        the gated forward (out=None) with this metadata (rms_norm_gated_fwd's arguments)."""
+        plan, mask = self._gated_plans(m, n, dtype, weight_dtype, return_rstd, strides, heads,
+                                       gate)
+        alloc_y = io.like_allocator(shape, dtype, strides[0] == n * heads[0])
+        alloc_rstd = io.allocator(stat_shape, _dtypes.FLOAT32) if return_rstd else None
+        ptr, stream, launch = io.ptr, io.stream, self.launch
+        tail = (m, *strides)
+
+        def run(x, z, weight, eps, weight_offset):
+            y = alloc_y(x)
+            rstd = alloc_rstd() if alloc_rstd is not None else None
+            if m:
+                x_ptr, z_ptr, y_ptr = ptr(x), ptr(z), ptr(y)
+                w_ptr = 0 if weight is None else ptr(weight)
+                kernel, grid, block = plan(bool(mask) and not (x_ptr | z_ptr | y_ptr | w_ptr)
+                                           & mask)
+                launch(kernel, grid, block,
+                       (x_ptr, z_ptr, w_ptr, y_ptr, 0 if rstd is None else ptr(rstd)) + tail
+                       + (eps, weight_offset) + heads, stream())
+            return y, rstd
+
+        return run
 
     # ---- fused residual add / quantised forward --------------------------------------------
     def rms_norm_fused_fwd(self, x, residual, weight, xscale, y, residual_out, rstd, yscale, m, n,
@@ -358,31 +400,86 @@ class GpuBackend:
                 weight_offset):
         """q's and k's head rows normalised (and rotated where ``geo.rope``) in one launch;
         ``geo``: kernels/qk_norm.Geometry.  q_out / k_out may be q / k."""
-        dtype = q.dtype
-        strides = geo.q + geo.k + geo.q_out + geo.k_out
+        plan, mask = self._qk_plans(geo, q.dtype, q_weight.dtype)
         pointers = 0
         for info in (q, k, q_weight, k_weight, q_out, k_out):
             pointers |= info.ptr
-        vector = (self._rows_aligned(geo.d, dtype, strides)
-                  and not (pointers | q_weight.ptr | k_weight.ptr) & _ALIGN_MASK)
+        if geo.rope and geo.rope[0] == "neox":
+            pointers |= cache.ptr
+        kernel, grid, block, tail = plan(bool(mask) and not pointers & mask)
+        dtype, f32 = q.dtype, _dtypes.FLOAT32
+        args = (self.arg(q, dtype), self.arg(k, dtype), self.arg(q_weight, f32),
+                self.arg(k_weight, f32), self.arg(q_out, dtype), self.arg(k_out, dtype),
+                self.arg(positions, f32), self.arg(cache, f32))
+        self.launch(kernel, grid, block, args + tail + (eps, weight_offset), self.stream_for(q))
+
+    def _qk_plans(self, geo, dtype, weight_dtype):
+        """(plan(vector), alignment mask: 0 where the strides allow no vector form) of a QK
+        call's geometry; a plan, built on first use, is (kernel, grid, block, the arguments
+        after the pointers but eps and weight_offset).  The vector form also needs every pointer
+        16-byte aligned (the cos / sin cache's too for neox)."""
+        strides = geo.q + geo.k + geo.q_out + geo.k_out
         style, cache_dtype, pos_dtype, cache_stride, max_position, rot = geo.rope or (
             "", "", "", 0, 0, 0)
+        vector = self._rows_aligned(geo.d, dtype, strides)
         if vector and style == "neox":     # the partner a power-of-two chunks away (qk_norm)
             chunk = _ALIGN // _dtypes.ITEMSIZE[dtype]
             lanes = rot // (2 * chunk)
-            vector = (not cache.ptr & _ALIGN_MASK and rot % (2 * chunk) == 0
-                      and lanes & (lanes - 1) == 0
+            vector = (rot % (2 * chunk) == 0 and lanes & (lanes - 1) == 0
                       and (cache_stride * _dtypes.ITEMSIZE[cache_dtype]) % _ALIGN == 0)
-        spec = _config.qk_spec(geo.d, dtype, q_weight.dtype, vector, style, cache_dtype,
-                               pos_dtype)
-        kernel = self.kernel(qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
-        grid = (geo.tokens, _config.ceil_div(geo.hq + geo.hk, spec.rows), 1)
-        f32 = _dtypes.FLOAT32
-        args = (self.arg(q, dtype), self.arg(k, dtype), self.arg(q_weight, f32),
-                self.arg(k_weight, f32), self.arg(q_out, dtype), self.arg(k_out, dtype),
-                self.arg(positions, f32), self.arg(cache, f32), geo.tokens, geo.hq, geo.hk,
-                *strides, cache_stride, max_position, rot, eps, weight_offset)
-        self.launch(kernel, grid, (spec.layout.threads, spec.rows, 1), args, self.stream_for(q))
+        tail = (geo.tokens, geo.hq, geo.hk, *strides, cache_stride, max_position, rot)
+
+        plans = {}
+
+        def plan(vector):
+            found = plans.get(vector)
+            if found is None:
+                spec = _config.qk_spec(geo.d, dtype, weight_dtype, vector, style, cache_dtype,
+                                       pos_dtype)
+                kernel = self.kernel(qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
+                grid = (geo.tokens, _config.ceil_div(geo.hq + geo.hk, spec.rows), 1)
+                found = plans[vector] = (kernel, grid, (spec.layout.threads, spec.rows, 1), tail)
+            return found
+        return plan, (_ALIGN_MASK if vector else 0)
+
+    def qk_runner(self, io, geo, dtype, weight_dtype, shapes, in_place, k_offset, spans):
+        """``run(q, k, q_weight, k_weight, positions, cache, eps, weight_offset) -> (q_out,
+        k_out)`` for repeat QK calls with this metadata (``shapes``: q's and k's); in place,
+        (q, k), or None without launching when k no longer starts ``k_offset`` bytes after q or
+        another argument's byte span meets q's or k's (full validation then decides).
+        ``spans``: the byte spans of (q, k, q_weight, k_weight, positions, cache)."""
+        plan, mask = self._qk_plans(geo, dtype, weight_dtype)
+        neox = bool(geo.rope) and geo.rope[0] == "neox"
+        q_span, k_span, qw_span, kw_span, p_span, c_span = spans
+        alloc_q = None if in_place else io.allocator(shapes[0], dtype)
+        alloc_k = None if in_place else io.allocator(shapes[1], dtype)
+        ptr, stream, launch = io.ptr, io.stream, self.launch
+        rows = geo.tokens * (geo.hq + geo.hk)
+
+        def run(q, k, q_weight, k_weight, positions, cache, eps, weight_offset):
+            q_ptr, k_ptr, qw_ptr, kw_ptr = ptr(q), ptr(k), ptr(q_weight), ptr(k_weight)
+            p_ptr = 0 if positions is None else ptr(positions)
+            c_ptr = 0 if cache is None else ptr(cache)
+            if in_place:
+                if k_ptr - q_ptr != k_offset:
+                    return None
+                for other, span in ((qw_ptr, qw_span), (kw_ptr, kw_span), (p_ptr, p_span),
+                                    (c_ptr, c_span)):
+                    if _meet(other, span, q_ptr, q_span) or _meet(other, span, k_ptr, k_span):
+                        return None
+                q_out, k_out, qo_ptr, ko_ptr = q, k, q_ptr, k_ptr
+            else:
+                q_out, k_out = alloc_q(), alloc_k()
+                qo_ptr, ko_ptr = ptr(q_out), ptr(k_out)
+            if rows:
+                pointers = q_ptr | k_ptr | qw_ptr | kw_ptr | qo_ptr | ko_ptr | (
+                    c_ptr if neox else 0)
+                kernel, grid, block, tail = plan(bool(mask) and not pointers & mask)
+                launch(kernel, grid, block, (q_ptr, k_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, p_ptr,
+                                             c_ptr) + tail + (eps, weight_offset), stream())
+            return q_out, k_out
+
+        return run
 
     # ---- backward ------------------------------------------------------------------------
     def _bwd_plan(self, key):

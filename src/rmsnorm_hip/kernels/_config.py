@@ -566,6 +566,9 @@ def bwd_ws_rows(spec, programs):
     return programs * (1 if spec.paired else spec.rows)
 
 
+SCALED_STREAM_MAX_REGISTERS = 128
+
+
 def launch_bounds(spec):
     """(max threads per block, min blocks per SM) a kernel declares to CUDA (__launch_bounds__),
     or (None, None).  Backward kernels: their block size, so ptxas keeps a 1024-thread block
@@ -573,10 +576,21 @@ def launch_bounds(spec):
     is 2: 512-thread rows of one chunk then fit 64 registers without spilling (left free, the
     dresidual forms took 81-101 and so one block per SM), while 512 x 2 rows ask no minimum and
     take up to 128.  The gated backward declares its block size too.  Forward kernels stay
-    free: with a bound alone ptxas squeezed the looped 1024-thread forward to 32 registers and
-    spilled."""
+    free (with a bound alone ptxas squeezed the looped 1024-thread forward to 32 registers and
+    spilled), but for streamed scaled-quant rows, held to SCALED_STREAM_MAX_REGISTERS."""
     if isinstance(spec, GatedBwdSpec):
         return spec.layout.threads * spec.rows, None
+    if isinstance(spec, FwdSpec):
+        threads = spec.layout.threads * spec.rows
+        if spec.stream and spec.scaling and spec.weight and not (spec.residual or spec.xscale):
+            # streamed rows with scales per group, MX or static, holding their weight, took
+            # 130-164 registers: one 256-thread program per SM at N = 8192 (8 warps; Nsight
+            # Compute: 2 warps per scheduler, 0.41 instructions issued a cycle).  At 128 they
+            # spill nothing and have the occupancy of the per-row SmoothQuant rows.  Not with a
+            # residual or xscale (they spill there), nor without a weight (72 registers free;
+            # bounded, ptxas took 128)
+            return threads, max(1, 65536 // (threads * SCALED_STREAM_MAX_REGISTERS))
+        return None, None
     if not isinstance(spec, BwdSpec):
         return None, None
     threads = spec.layout.threads * spec.rows
