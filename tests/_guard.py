@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rmsnorm_hip import _arrays, _dtypes, functional
+from rmsnorm_hip import _arrays, _dtypes, functional, gated, qk
 
 GUARD_BYTES = 256
 
@@ -78,8 +78,8 @@ class Guards(list):
 
 
 class _NoRunners(dict):
-    """functional's repeat-call runners allocate outside ``_arrays.empty``: none are used or
-    kept while allocations are guarded."""
+    """The repeat-call runners (functional's, qk's, gated's) allocate outside ``_arrays.empty``:
+    none are used or kept while allocations are guarded."""
 
     def get(self, key, default=None):
         return default
@@ -93,7 +93,8 @@ def guarded_outputs(guard_bytes=GUARD_BYTES):
     """Yields a :class:`Guards` list that collects every allocation made in the block."""
     guards = Guards()
     empty = _arrays.empty
-    runners = (functional._fwd_runners, functional._bwd_runners, functional._fused_runners)
+    runners = (functional._fwd_runners, functional._bwd_runners, functional._fused_runners,
+               qk._qk_runners, gated._gated_runners)
 
     def guarded_empty(like, shape, dtype):
         if like.lib not in ("numpy", "torch", "cupy"):
@@ -114,8 +115,10 @@ def guarded_outputs(guard_bytes=GUARD_BYTES):
 
     _arrays.empty = guarded_empty
     functional._fwd_runners = functional._bwd_runners = functional._fused_runners = _NoRunners()
+    qk._qk_runners = gated._gated_runners = _NoRunners()
     try:
         yield guards
     finally:
         _arrays.empty = empty
-        functional._fwd_runners, functional._bwd_runners, functional._fused_runners = runners
+        (functional._fwd_runners, functional._bwd_runners, functional._fused_runners,
+         qk._qk_runners, gated._gated_runners) = runners

@@ -422,10 +422,11 @@ def fast_key(x, weight, flags, others=()):
 
         if not all(a is None or isinstance(a, torch.Tensor) for a in (weight,) + tuple(others)):
             return None                 # arrays of several libraries: the full path
+        # a negative or conjugate view (lazy bits the full path refuses) keys apart
         def key_of(a):
-            return None if a is None else (a.dtype, a.shape, a.stride(), a.get_device())
-        return (x.dtype, x.shape, x.stride(), x.get_device(), key_of(weight),
-                tuple(key_of(a) for a in others), flags)
+            return None if a is None else (a.dtype, a.shape, a.stride(), a.get_device(),
+                                           a.is_neg() or a.is_conj())
+        return (key_of(x), key_of(weight), tuple(key_of(a) for a in others), flags)
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
         if not all(a is None or isinstance(a, cupy.ndarray) for a in (weight,) + tuple(others)):

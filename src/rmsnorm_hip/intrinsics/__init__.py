@@ -44,8 +44,9 @@ Names every GPU namespace provides
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
                                   two <= warp), every lane gets the result (warp_max: NaN wins)
 ``sigmoid``                       float32 1 / (1 + exp(-v)): on GPUs from the hardware's
-                                  approximate exp2 and reciprocal (a few ulp), elsewhere exact
-                                  to float32 rounding
+                                  approximate exp2 and reciprocal (a few ulp + |v| * 6e-8
+                                  relative; _llvm.define_fast_sigmoid), elsewhere exactly
+                                  rounded
 ``shfl_xor(value, lanes)``         float32 ``value`` of lane ``lane ^ lanes``, every lane of the
                                   warp taking part (the CPU's: its own value)
 ``atomic_add_f32``                 float32 atomic add at ``ptr[i]`` (no result; CUDA: PTX ``red``)

@@ -507,8 +507,9 @@ def define_fast_sigmoid(intrinsic, vendor):
     """``sigmoid(v)`` = 1 / (1 + 2^(-v * log2(e))) with the hardware's approximate exp2 and
     reciprocal (NVIDIA: ``ex2.approx.ftz`` / ``rcp.approx.ftz``; AMD: ``v_exp_f32`` /
     ``v_rcp_f32``): four instructions where the IEEE expf and division take about forty, and a
-    relative error within a few float32 ulp (the argument's rounding grows it as |v|: 1e-6 at
-    |v| = 20).  +-inf give 0 / 1, NaN stays NaN."""
+    relative error of a few float32 ulp plus the argument's rounding, about |v| * 6e-8 (1e-6 at
+    |v| = 20).  +-inf give 0 / 1, NaN stays NaN; NVIDIA's ``.ftz`` flushes a result below 2**-126
+    (v below about -87.3) to 0."""
     f32 = ir.FloatType()
 
     def ptx_unary(builder, instruction, value):

@@ -318,7 +318,8 @@ def f32_to_i8(value):
 
 
 def sigmoid(value):
-    """float32 1 / (1 + exp(-v)); exp overflowing to inf gives 0, as on the GPU."""
+    """float32 1 / (1 + exp(-v)), exactly rounded (GPUs approximate it: intrinsics/_llvm.py);
+    exp overflowing to inf gives 0, as there."""
     with np.errstate(over="ignore"):
         e = np.exp(-np.float32(value))
     return np.float32(np.float32(1.0) / (np.float32(1.0) + e))
