@@ -89,6 +89,13 @@ def _runner(runners, key, eps, weight_offset, weight):
     return run if run is not None and _plain_scalars(eps, weight_offset, weight) else None
 
 
+def _keep_runner(runners, key, run):
+    """Keep ``run`` under ``key``; serving sees many M, so each cache is bounded."""
+    if len(runners) > _MAX_RUNNERS:
+        runners.clear()
+    runners[key] = run
+
+
 def _plain_scalars(eps, weight_offset, weight):
     """Whether a repeat-call runner may take these scalars as they are (anything else goes
     through full validation, which raises or converts)."""
@@ -128,11 +135,9 @@ def _rms_norm(x, weight, eps, weight_offset, out, return_rstd, dtype, plan_key):
         backend.rms_norm_fwd(xi, wi, yi, ri, m, n, x_stride, y_stride, eps, weight_offset,
                              heads=heads)
     if plan_key is not None and hasattr(backend, "fwd_runner"):
-        if len(_fwd_runners) > _MAX_RUNNERS:  # serving sees many M: keep the cache bounded
-            _fwd_runners.clear()
-        _fwd_runners[plan_key] = backend.fwd_runner(
+        _keep_runner(_fwd_runners, plan_key, backend.fwd_runner(
             _arrays.FastIO(xi), xi.shape, m, n, x_stride, xi.dtype,
-            wi.dtype if wi is not None else "", return_rstd)
+            wi.dtype if wi is not None else "", return_rstd))
     if out is None:
         y = yi.result()
     else:
@@ -318,12 +323,10 @@ def _fused_forward(fn, x, residual, weight, eps, weight_offset, dtype, *, return
         backend.rms_norm_fused_fwd(xi, ri, wi, si, yi, roi, rstd_i, yscale_i, m, n, strides, eps,
                                    weight_offset, quant)
     if plan_key is not None and hasattr(backend, "fused_runner"):
-        if len(_fused_runners) > _MAX_RUNNERS:
-            _fused_runners.clear()
-        _fused_runners[plan_key] = backend.fused_runner(
+        _keep_runner(_fused_runners, plan_key, backend.fused_runner(
             _arrays.FastIO(xi), xi.shape, m, n, strides, xi.dtype,
             wi.dtype if wi is not None else "", si.dtype if si is not None else "",
-            ri is not None, quant, return_rstd, in_place)
+            ri is not None, quant, return_rstd, in_place))
     if in_place:
         return None, None, None, None
     return tuple(None if info is None else info.result() for info in (yi, roi, rstd_i, yscale_i))
@@ -411,10 +414,8 @@ def _rms_norm_backward(dy, x, weight, rstd, weight_offset, dresidual, determinis
             lambda shape: _arrays.empty(xi, shape, _dtypes.FLOAT32)[1],
             deterministic, _arrays.zero_fill, heads=heads)
         if plan_key is not None and hasattr(backend, "bwd_runner"):
-            if len(_bwd_runners) > _MAX_RUNNERS:
-                _bwd_runners.clear()
-            _bwd_runners[plan_key] = backend.bwd_runner(
+            _keep_runner(_bwd_runners, plan_key, backend.bwd_runner(
                 _arrays.FastIO(xi), xi.shape, m, n, strides, xi.dtype,
                 wi.dtype if wi is not None else "", ri is not None, dri is not None,
-                deterministic)
+                deterministic))
     return dxi.result(), (dwi.result() if dwi is not None else None)

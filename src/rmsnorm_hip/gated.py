@@ -5,7 +5,7 @@ the backward kernels/gated_bwd.py."""
 import operator
 
 from . import _arrays, _dtypes, _validate, backends
-from .functional import (_MAX_RUNNERS, _backend_env, _gated_runners, _rows_of_x, _runner,
+from .functional import (_backend_env, _gated_runners, _keep_runner, _rows_of_x, _runner,
                          _vector_arg)
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_backward"]
@@ -62,12 +62,10 @@ def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_
                                    (x_stride, z_stride, y_stride), (groups, g, g, g), eps,
                                    weight_offset, gate)
     if key is not None and hasattr(backend, "gated_runner"):
-        if len(_gated_runners) > _MAX_RUNNERS:
-            _gated_runners.clear()
-        _gated_runners[key] = backend.gated_runner(
+        _keep_runner(_gated_runners, key, backend.gated_runner(
             _arrays.FastIO(xi), xi.shape, m * groups, g, (x_stride, z_stride, y_stride),
             (groups, g, g, g), xi.dtype, wi.dtype if wi is not None else "", return_rstd,
-            stat_shape, gate)
+            stat_shape, gate))
     if out is None:
         y = yi.result()
     else:

@@ -3,7 +3,7 @@ one launch, optionally rotated (RoPE) before the one rounding.  Validation happe
 any launch; the kernel is kernels/qk_norm.py (the CPU's: kernels/cpu_rmsnorm.make_cpu_qk_norm)."""
 
 from . import _arrays, _validate, backends
-from .functional import _MAX_RUNNERS, _backend_env, _qk_runners, _runner
+from .functional import _backend_env, _keep_runner, _qk_runners, _runner
 from .kernels._config import QK_MAX_HEAD_SIZE
 from .kernels.qk_norm import Geometry
 
@@ -115,13 +115,11 @@ def _qk(fn, q, k, q_weight, k_weight, eps, weight_offset, positions, cache, rope
     if t * (hq + hk) > 0:
         backend.qk_norm(qi, ki, qwi, kwi, qoi, koi, pi, ci, geo, eps, weight_offset)
     if plan_key is not None and hasattr(backend, "qk_runner"):
-        if len(_qk_runners) > _MAX_RUNNERS:
-            _qk_runners.clear()
         spans = tuple(0 if info is None else info.extent_bytes()
                       for info in (qi, ki, qwi, kwi, pi, ci))
-        _qk_runners[plan_key] = backend.qk_runner(
+        _keep_runner(_qk_runners, plan_key, backend.qk_runner(
             _arrays.FastIO(qi), geo, qi.dtype, qwi.dtype, (qi.shape, ki.shape), in_place,
-            ki.ptr - qi.ptr, spans)
+            ki.ptr - qi.ptr, spans))
     if in_place:
         _arrays.bump_versions(q, k)
         return None

@@ -191,23 +191,16 @@ class GpuBackend:
         vector_ok = self._rows_aligned(n, dtype, tuple(strides) + tuple(heads[1:]))
         # whole rows stream where the fused add does (z is a second input like its residual)
         stream = h == 1 and _config.fwd_stream(self.vendor, True, "", m, self.sm_count)
-        plans = {}
 
-        def plan(vector):
-            found = plans.get(vector)
-            if found is None:
-                spec = _config.fwd_spec(n, dtype, weight_dtype, vector, store_rstd,
-                                        stream=stream, vendor=self.vendor, heads=h > 1,
-                                        gate=gate)
-                kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec,
-                                     rmsnorm_fwd.argtypes(spec))
-                threads = spec.layout.threads * spec.rows
-                per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
-                found = plans[vector] = (
-                    kernel, (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1),
+        def build(vector):
+            spec = _config.fwd_spec(n, dtype, weight_dtype, vector, store_rstd, stream=stream,
+                                    vendor=self.vendor, heads=h > 1, gate=gate)
+            kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
+            threads = spec.layout.threads * spec.rows
+            per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
+            return (kernel, (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1),
                     (spec.layout.threads, spec.rows, 1))
-            return found
-        return plan, (_ALIGN_MASK if vector_ok else 0)
+        return _per_form(build), (_ALIGN_MASK if vector_ok else 0)
 
     def gated_runner(self, io, shape, m, n, strides, heads, dtype, weight_dtype, return_rstd,
                      stat_shape, gate):
@@ -429,18 +422,13 @@ class GpuBackend:
                       and (cache_stride * _dtypes.ITEMSIZE[cache_dtype]) % _ALIGN == 0)
         tail = (geo.tokens, geo.hq, geo.hk, *strides, cache_stride, max_position, rot)
 
-        plans = {}
-
-        def plan(vector):
-            found = plans.get(vector)
-            if found is None:
-                spec = _config.qk_spec(geo.d, dtype, weight_dtype, vector, style, cache_dtype,
-                                       pos_dtype)
-                kernel = self.kernel(qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
-                grid = (geo.tokens, _config.ceil_div(geo.hq + geo.hk, spec.rows), 1)
-                found = plans[vector] = (kernel, grid, (spec.layout.threads, spec.rows, 1), tail)
-            return found
-        return plan, (_ALIGN_MASK if vector else 0)
+        def build(vector):
+            spec = _config.qk_spec(geo.d, dtype, weight_dtype, vector, style, cache_dtype,
+                                   pos_dtype)
+            kernel = self.kernel(qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
+            grid = (geo.tokens, _config.ceil_div(geo.hq + geo.hk, spec.rows), 1)
+            return kernel, grid, (spec.layout.threads, spec.rows, 1), tail
+        return _per_form(build), (_ALIGN_MASK if vector else 0)
 
     def qk_runner(self, io, geo, dtype, weight_dtype, shapes, in_place, k_offset, spans):
         """``run(q, k, q_weight, k_weight, positions, cache, eps, weight_offset) -> (q_out,
@@ -609,6 +597,19 @@ class GpuBackend:
         if weight is not None and reduce is not None:
             self.launch(reduce, reduce_grid, reduce_block,
                         (self.arg(ws, f32), self.arg(dweight, wdtype), ws_rows, n), stream)
+
+
+def _per_form(build):
+    """``plan(vector)``: ``build(vector)``, built on a form's first use and kept (a call takes
+    the scalar form only when its pointers are not 16-byte aligned)."""
+    plans = {}
+
+    def plan(vector):
+        found = plans.get(vector)
+        if found is None:
+            found = plans[vector] = build(vector)
+        return found
+    return plan
 
 
 def _meet(a, a_len, b, b_len):

@@ -142,6 +142,18 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
                 store_ws4(ws, start, col0 + q, f.acc, slot + q)
 
     @jitable
+    def row_sums(call, outer, inner, live, tx, ty, parity, red, sxg, ss):
+        """(the row's sum(v * g), its rstd) from this thread's sum(v * g) and sum(v * v) (the
+        row's reductions; rows past M take part and get rstd 1)."""
+        sxg = row_sum(sxg, red, parity, ty, tx)
+        if recompute:
+            ss = row_sum(ss, red, parity ^ 1, ty, tx)
+            r = float32(1.0) / math.sqrt(ss / n_f32 + call.eps)
+        else:
+            r = call.arrays.rstd[outer * call.groups + inner] if live else float32(1.0)
+        return sxg, r
+
+    @jitable
     def load_row_words(call, outer, inner, live, tx, w):
         """A cached group row's chunks of x, z and dy as words (zeros past the row, or for a
         row that is not live)."""
@@ -185,12 +197,7 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         for k in range(per_thread):
             decode_chunk(call, inner, tx, w, k, f)
             sxg, ss = sums(f, k * chunk, offset, sxg, ss)
-        sxg = row_sum(sxg, red, parity, ty, tx)
-        if recompute:
-            ss = row_sum(ss, red, parity ^ 1, ty, tx)
-            r = float32(1.0) / math.sqrt(ss / n_f32 + call.eps)
-        else:
-            r = call.arrays.rstd[outer * call.groups + inner] if live else float32(1.0)
+        sxg, r = row_sums(call, outer, inner, live, tx, ty, parity, red, sxg, ss)
         if not live:
             return
         c = sxg * r / n_f32
@@ -202,10 +209,10 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
                 store_chunk(call, outer, inner, col0, f, k * chunk)
 
     @jitable
-    def group_row(call, outer, inner, live, tx, ty, parity, red, f, ws_start):
-        """One group row: dx and dz stored, the dweight partial accumulated (in f.acc, or in
-        the slot's workspace row for looped rows).  Rows that are not live (past M) take part
-        in the block's reductions only."""
+    def looped_row(call, outer, inner, live, tx, ty, parity, red, f, ws_start):
+        """A looped group row, read twice a chunk at a time: dx and dz stored, the dweight
+        partial accumulated in the slot's workspace row.  Rows that are not live (past M) take
+        part in the block's reductions only."""
         offset = call.weight_offset
         sxg = float32(0.0)
         ss = float32(0.0)
@@ -213,13 +220,7 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
             col0 = (tx + k * threads) * chunk
             load_chunk(call, outer, inner, live, col0, f, 0)
             sxg, ss = sums(f, 0, offset, sxg, ss)
-        sxg = row_sum(sxg, red, parity, ty, tx)
-        row = outer * call.groups + inner
-        if recompute:
-            ss = row_sum(ss, red, parity ^ 1, ty, tx)
-            r = float32(1.0) / math.sqrt(ss / n_f32 + call.eps)
-        else:
-            r = call.arrays.rstd[row] if live else float32(1.0)
+        sxg, r = row_sums(call, outer, inner, live, tx, ty, parity, red, sxg, ss)
         if not live:
             return
         c = sxg * r / n_f32
@@ -281,7 +282,7 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         else:
             for it in range(most):
                 outer = first + it * step
-                group_row(call, outer, group, outer < m, tx, ty, parity, red, f, ws_start)
+                looped_row(call, outer, group, outer < m, tx, ty, parity, red, f, ws_start)
                 if not recompute:
                     parity ^= 1
         if cached:
