@@ -4,9 +4,9 @@ resource report per kernel (``rmsnorm-hip compile``).
 AMD (``--target hip``, numba-hip): each variant of :func:`rmsnorm_hip.kernels.catalog.variants`
 becomes a real HSA code object for each ``--arch`` (gfx942, gfx950, ...).  Per kernel the report
 records VGPR / AGPR / SGPR counts, VGPR and SGPR spills, scratch (private segment) and LDS bytes
-and the kernarg size from the code object's ``amdhsa`` metadata; occupancy (waves per SIMD) and
-code size from the ``-O3`` ISA listing; and how many ``global_load_dwordx4`` /
-``global_store_dwordx4`` the ISA has.
+and the kernarg size from the code object's ``amdhsa`` metadata; occupancy (waves per SIMD, from
+the registers) and the kernel's code size; and how many ``global_load_dwordx4`` /
+``global_store_dwordx4`` its disassembly has.
 
 NVIDIA (``--target cuda``, numba-cuda): PTX for ``sm_90`` (or any ``sm_XY``), with the counts of
 ``ld.global.v4`` / ``st.global.v4`` and whether a local-memory depot exists, and registers and
@@ -126,10 +126,12 @@ def block_vgpr_limit(record, wavefront=64):
     return 512 // -(-waves // 4)
 
 
-def _listing_value(isa, key):
-    """An integer from LLVM's ``; Key: N`` / ``; key = N`` kernel-info comments (the first)."""
-    m = re.search(rf"^\s*;\s*{re.escape(key)}\s*[:=]\s*(\d+)", isa, re.MULTILINE)
-    return int(m.group(1)) if m else None
+def waves_per_simd(vgpr, agpr=0):
+    """The wavefronts one SIMD of gfx942 / gfx950 holds with these registers: 512 per lane,
+    allocated 8 at a time, AGPRs after the VGPRs (4-aligned), at most 8 waves (LLVM's
+    ``Occupancy``: equal for every kernel of the catalog, none of which is LDS-bound)."""
+    total = (-(-vgpr // 4) * 4 + agpr) if agpr else vgpr
+    return min(8, 512 // max(8, -(-total // 8) * 8))
 
 
 def _elf_mach(code_object):
@@ -144,6 +146,8 @@ def amd_records(variant, archs, intr, keep_dir=None):
     """{arch: record} of one variant compiled for every AMD arch: one numba compile, or for an
     MX kernel one per arch with that arch's intrinsics (gfx950 converts MX elements in
     hardware)."""
+    from rocm import comgr
+
     from .backends.hip import intrinsics_for, is_mx, variant_code_objects
 
     def compile_for(archs, intr):
@@ -176,8 +180,9 @@ def amd_records(variant, archs, intr, keep_dir=None):
             dynamic_stack=bool(num(".uses_dynamic_stack")),
             kernarg_bytes=num(".kernarg_segment_size"),
             wavefront=num(".wavefront_size"),
-            occupancy=_listing_value(isa, "Occupancy"),
-            code_bytes=_listing_value(isa, "codeLenInByte"),
+            occupancy=waves_per_simd(num(".vgpr_count"), num(".agpr_count") or 0),
+            code_bytes=comgr.parse_code_symbols(code_object, len(code_object))[kernel[".name"]]
+            ["size"],
             code_object_bytes=len(code_object),
             global_load_dwordx4=count("global_load_dwordx4"),
             global_loads=count("(?:global|buffer|flat)_load\\w*"),
@@ -503,7 +508,7 @@ def compile_all(archs, report_path=None, target="hip", *, only=None, jobs=None, 
     report per arch.  ``only``: label substrings to select variants.  ``jobs``: worker processes
     (default: the CPU count), each compiling a share of the variants for every arch (AMD: one
     numba compile per variant, one link and code generation per arch).
-    ``keep_dir``: also write each code object and ISA listing (or PTX) there.
+    ``keep_dir``: also write each code object and its disassembly (or PTX) there.
     """
     if target not in ("hip", "cuda"):
         raise ValueError(f"target must be 'hip' or 'cuda', got {target!r}")
@@ -598,7 +603,7 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, metavar="N",
                         help="worker processes (default: the CPU count)")
     parser.add_argument("--keep", metavar="DIR",
-                        help="also write each code object + ISA listing (or PTX) to DIR")
+                        help="also write each code object + its disassembly (or PTX) to DIR")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="report resources without failing on scratch, spills, missing "
                              "128-bit accesses or the main-kernel VGPR limit")

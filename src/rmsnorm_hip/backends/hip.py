@@ -16,6 +16,7 @@ under a lock, and restores the originals.  It uses numba-hip internals (``compil
 import ctypes
 import os
 import pickle
+import re
 import threading
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -73,6 +74,16 @@ def _reset_target_attributes_per_link():
     _attributes_patched = True
 
 
+def _anchor_typed_pointer_rewrite():
+    """numba-hip 0.2.1 rewrites typed pointers (``i8*``) to opaque ``ptr`` in every module it
+    links with the regex ``\\w+\\*+``, which restarts at each character of an identifier that no
+    ``*`` follows: quadratic in identifier length, a fifth of a kernel's link time.  A match always
+    starts at its word's first character, so the pattern anchored there rewrites the same text."""
+    from numba.hip.util import numbacompat
+    if numbacompat._p_typed_ptr.pattern == r"\w+\*+":
+        numbacompat._p_typed_ptr = re.compile(r"\b\w+\*+")
+
+
 def _compile_library(pyfunc, argtypes, arch):
     """numba-hip's kernel code library of ``pyfunc`` for ``arch`` (typed, lowered, wrapped)."""
     from ..intrinsics import hip as _  # noqa: F401  (imports numba.hip the way it must be)
@@ -82,6 +93,7 @@ def _compile_library(pyfunc, argtypes, arch):
     options = {"fastmath": False, "opt": 3}
     with _targeting(arch):
         _reset_target_attributes_per_link()
+        _anchor_typed_pointer_rewrite()
         cres = compiler.compile_hip(pyfunc, types.void, tuple(argtypes), options=options,
                                     amdgpu_arch=arch)
         code = pyfunc.__code__
@@ -98,15 +110,12 @@ def compile_code_objects(pyfunc, argtypes, archs, listing=True):
     Typing and lowering run once (numba-hip's LLVM IR does not depend on the arch until it is
     linked with the HIP device library); linking and code generation run per arch.
     ``code_object`` is the HSA code object (ELF bytes, what ``hipModuleLoadData`` takes), ``isa``
-    the ``-O3`` ISA listing with LLVM's per-kernel resource comments (``""`` when ``listing`` is
-    false) and ``metadata`` the code object's ``amdhsa`` metadata as a dict
-    (``metadata["amdhsa.kernels"][0]`` has ``.name``, ``.vgpr_count``, ``.sgpr_count``,
-    ``.agpr_count``, ``.vgpr_spill_count``, ``.sgpr_spill_count``,
-    ``.private_segment_fixed_size``, ``.group_segment_fixed_size``, ...; values are strings).
-
-    The listing is a second code generation from the same linked bitcode with ``-O3``, the option
-    COMGR uses for the code object; numba-hip's own ``inspect_asm`` runs the BC-to-assembly action
-    without ``-O`` and does not describe the code object.
+    the kernel's disassembly from that code object (``""`` when ``listing`` is false; COMGR's
+    disassembler, a twentieth of a second code generation's time) and ``metadata`` the code
+    object's ``amdhsa`` metadata as a dict (``metadata["amdhsa.kernels"][0]`` has ``.name``,
+    ``.vgpr_count``, ``.sgpr_count``, ``.agpr_count``, ``.vgpr_spill_count``,
+    ``.sgpr_spill_count``, ``.private_segment_fixed_size``, ``.group_segment_fixed_size``, ...;
+    values are strings).
     """
     from rocm import comgr
 
@@ -118,13 +127,12 @@ def compile_code_objects(pyfunc, argtypes, archs, listing=True):
         for arch in archs:
             with _targeting(arch):
                 code_object = bytes(library.get_codeobj(amdgpu_arch=arch))
-                isa = ""
-                if listing:
-                    linked = library.get_linked_llvm_ir(amdgpu_arch=arch, to_bc=True,
-                                                        link_in_hipdevicelib=True)
-                    isa = comgr.compile_bc_to_hsa(linked, isa_name=f"amdgcn-amd-amdhsa--{arch}",
-                                                  extra_opts=["-O3"])[0].decode()
             metadata = comgr.parse_code_obj_metadata(code_object, len(code_object))
+            isa = ""
+            if listing:
+                isa = comgr.disassemble_code_obj_function(
+                    code_object, f"amdgcn-amd-amdhsa--{arch}",
+                    metadata["amdhsa.kernels"][0][".name"])
             out[arch] = (code_object, isa, metadata)
     return out
 
