@@ -8,7 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from rmsnorm_hip import intrinsics
+from rmsnorm_hip import intrinsics, reference
 
 pytestmark = pytest.mark.quick
 
@@ -192,7 +192,8 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 def cpu8():
     intr = intrinsics.load("cpu")
     return {"f32_to_e4m3": _njit_map(intr.f32_to_e4m3, np.uint32),
-            "f32_to_i8": _njit_map(intr.f32_to_i8, np.int32)}
+            "f32_to_i8": _njit_map(intr.f32_to_i8, np.int32),
+            "f32_to_e2m1": _njit_map(intr.f32_to_e2m1, np.uint32)}
 
 
 def e4m3_expected(values):
@@ -240,6 +241,33 @@ def test_e4m3_encode_random_and_every_value(cpu8, rng):
     values = np.concatenate([values, -values])
     assert_same_e4m3(cpu8["f32_to_e4m3"](values), values, "f32_to_e4m3 on values and midpoints")
     assert np.all(cpu8["f32_to_e4m3"](np.float32([np.inf, 1e30, 464.0])) == 0x7E), "saturates"
+
+
+def test_e2m1_encode_random_and_every_midpoint(cpu8, rng):
+    """float4 e2m1 codes against the float64 reference's rounding: 2M random float32 patterns,
+    and every value, midpoint (ties to the even code) and their float32 neighbours; NaN -> +-6
+    and -0 kept (the encoder's own rules); the simulator agrees on a sample."""
+    mags = reference.E2M1_MAGNITUDES.astype(np.float32)
+    edges = np.concatenate([mags, (mags[1:] + mags[:-1]) / 2, np.float32([7.0, 8.0, 1e30])])
+    near = np.concatenate([edges, np.nextafter(edges, np.float32(np.inf)),
+                           np.nextafter(edges, np.float32(0.0))])
+    values = np.concatenate([random_f32_bits(rng, 2_000_000).view(np.float32), near, -near,
+                             rng.uniform(-8, 8, 100_000).astype(np.float32),
+                             np.float32([np.inf, -np.inf, 2.0 ** -140, -(2.0 ** -140)])])
+    values = values[~np.isnan(values)]
+    got = cpu8["f32_to_e2m1"](values)
+    assert not np.any(got >> np.uint32(4)), "bits above the nibble"
+    want = reference.quantize_e2m1_ref(values.astype(np.float64))
+    code = np.searchsorted(reference.E2M1_MAGNITUDES, np.abs(want)).astype(np.uint32)
+    expected = code | ((values.view(np.uint32) >> np.uint32(28)) & np.uint32(8))
+    bad = np.flatnonzero(got != expected)
+    assert bad.size == 0, (f"{bad.size} mismatches, first {values[bad[0]]!r}: "
+                           f"{got[bad[0]]:#x} vs {expected[bad[0]]:#x}")
+    assert cpu8["f32_to_e2m1"](np.float32([np.nan, -np.nan])).tolist() == [0x7, 0xF]
+    sim = intrinsics.load("sim")
+    sample = np.concatenate([near, -near, values[:2000]])
+    assert_bitwise_u(np.array([sim.f32_to_e2m1(v) for v in sample], np.uint32),
+                     cpu8["f32_to_e2m1"](sample), "sim f32_to_e2m1 vs cpu")
 
 
 def test_i8_encode(cpu8, rng):

@@ -28,7 +28,7 @@ Names every GPU namespace provides
                                   evict-first; plain elsewhere).  No memory clobber: only for
                                   memory the kernel never writes
 ``store_b64``, ``store_b32``       8- / 4-byte global store of 2 / 1 uint32 (aligned to its size)
-``max_nan``                       max of two floats where a NaN wins
+``max_nan``                       max of two floats where a NaN wins (CUDA: one ``max.NaN.f32``)
 ``max_abs``                       maxnum(acc, |v|): a running max|v| that ignores NaN
 ``max_abs_nan`` (cuda, sim only)  max(acc, |v|) where a NaN wins, in one instruction: with it
                                   the quantiser rounds int8 levels by one fma (kernels/_rowops)

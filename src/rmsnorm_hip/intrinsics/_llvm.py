@@ -382,6 +382,26 @@ def define_ptx_quant(intrinsic, pack_e4m3x2_integer):
     return dict(f32_to_i8=f32_to_i8, pack_e4m3x2=pack_e4m3x2, max_abs_nan=max_abs_nan)
 
 
+def define_ptx_max_nan(intrinsic):
+    @intrinsic
+    def max_nan(typingctx, a, b):
+        """max(a, b) where a NaN wins: ``max.NaN.f32`` (sm_80+; one FMNMX.NAN where the portable
+        form takes a compare, a NaN test and a select; ptxas folds an abs of ``b`` into it)."""
+        if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            x = context.cast(builder, args[0], sig.args[0], types.float32)
+            y = context.cast(builder, args[1], sig.args[1], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType(), ir.FloatType()]),
+                               "max.NaN.f32 $0, $1, $2;", "=f,f,f", side_effect=False)
+            return builder.call(asm, [x, y])
+
+        return types.float32(a, b), codegen
+
+    return max_nan
+
+
 def _target_cc():
     """Compute capability being compiled for: numba-cuda asks ``get_current_device`` while it
     lowers, which ahead-of-time builds answer with their target (backends.cuda._targeting)."""

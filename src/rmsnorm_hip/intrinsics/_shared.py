@@ -16,7 +16,9 @@ from numba import float32, int32, uint16, uint32
 _RNE_MAGIC = 12582912.0
 
 
-def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
+def build(jitable, f32_as_u32, u32_as_f32, shfl_xor, max_nan=None):
+    """The helpers over one backend's primitives; ``max_nan`` replaces the portable NaN-winning
+    max where the backend has it in one instruction."""
     @jitable
     def bf16_to_f32(bits):
         return u32_as_f32(uint32(bits) << uint32(16))
@@ -118,15 +120,22 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
         """float4 e2m1 bits of a float32 (low 4 bits of a uint32): round to nearest even over
         the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating to +-6 (infinities too); the sign
         bit kept, so a negative value that rounds to 0 is -0; NaN -> +-6 (e2m1 has no NaN:
-        an MX block holding one says so in its scale).  The magnitude's code is the count of
-        rounding thresholds below it, ties (0.25, 0.75, ...) going to the even code."""
+        an MX block holding one says so in its scale).
+
+        One float add rounds: a + 2**(e + 22), a = min(|v|, 6) and e its binade clamped below
+        at e2m1's 0, has an ulp of e2m1's step there (0.5, 1, 2), so the sum's low bits count
+        steps, k.  The code is k + 2e (0.5's subnormal code 1 falls out as k = 1 in binade 0)."""
         u = f32_as_u32(float32(value))
-        a = u32_as_f32(u & uint32(0x7FFFFFFF))
-        if a != a:
+        a = abs(float32(value))
+        if not a < float32(6.0):                            # NaN and infinities too
             a = float32(6.0)
-        code = (uint32(a > float32(0.25)) + uint32(a >= float32(0.75))
-                + uint32(a > float32(1.25)) + uint32(a >= float32(1.75))
-                + uint32(a > float32(2.5)) + uint32(a >= float32(3.5)) + uint32(a > float32(5.0)))
+        # 32-bit wraps throughout: numba widens uint32 arithmetic to 64 bits
+        ebits = uint32(f32_as_u32(a) & uint32(0x7F800000))
+        if ebits < uint32(0x3F800000):
+            ebits = uint32(0x3F800000)
+        magic = uint32(ebits + uint32(0x0B000000))          # 2**(e + 22)
+        two_e = uint32(uint32(ebits >> uint32(22)) - uint32(254))
+        code = uint32(uint32(f32_as_u32(a + u32_as_f32(magic)) - magic) + two_e)
         return ((u >> uint32(28)) & uint32(0x8)) | code
 
     @jitable
@@ -135,11 +144,13 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor):
         return f32_to_e2m1(lo) | (f32_to_e2m1(hi) << uint32(4))
 
     @jitable
-    def max_nan(a, b):
+    def portable_max_nan(a, b):
         """max(a, b) where a NaN wins, so a NaN row cannot hide behind a finite max."""
         if b > a or b != b:
             return b
         return a
+
+    max_nan = max_nan or portable_max_nan
 
     @jitable
     def warp_sum(value, width):

@@ -28,7 +28,7 @@ def _shfl_xor(value, offset):
 def build():
     compiled = _llvm.define(intrinsic, fabs="llvm.nvvm.fabs.f", fmax="llvm.nvvm.fmax.f")
     shared = vars(_shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
-                                _shfl_xor))
+                                _shfl_xor, _llvm.define_ptx_max_nan(intrinsic)))
     # hardware conversions: the integer forms cost ~15 ALU ops per element, which at H200 bandwidth
     # is the whole INT32 budget (bf16 forward measured at 59-89% of copy with them)
     shared.update(_llvm.define_hw_f16(intrinsic))
