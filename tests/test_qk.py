@@ -151,6 +151,11 @@ class QkCase:
         return (self.rotary_dim or self.d) if self.rope else 0
 
     @property
+    def halves(self):
+        """Whether the GPU kernel takes the layout in halves (neox over the whole head)."""
+        return _config.qk_halves(self.d, self.dtype, self.rope, self.rot)
+
+    @property
     def id(self):
         rope = "none"
         if self.rope:
@@ -336,11 +341,12 @@ def test_matches_reference(rng, case):
 
 # ---- the same on the simulator: path-complete, small ---------------------------------------------
 
-# (case, what it covers); rows per block: float32 D=256 2 (64 threads: two warps), float32 D=80
-# 4 (32 threads, 20 chunks: idle threads), 16-bit D=80 8, D=128 8, D=64 16
+# (case, what it covers); rows per block: float32 D=256 2 (64 threads: two warps; halves: 32
+# threads), float32 D=80 4 (32 threads, 20 chunks: idle threads), 16-bit D=80 8, D=128 8, D=64
+# 16 (halves: 4 threads)
 SIM_CASES = [
     (QkCase(FLOAT32, 256, "neox", heads=(2, 1), lead=(1,)),
-     "vector, two warps a row, a dead row in the last block, full rotary_dim"),
+     "vector, halves over a warp's 32 threads, a dead row in the last block"),
     (QkCase(BFLOAT16, 80, "gptj", weight=FLOAT32, partial=True, cache=BFLOAT16,
             positions="int32", offset=1.0, heads=(4, 2), lead=(2,), pad=3),
      "scalar, 16-bit cache, int32 positions, partial, 6 of 8 rows live"),
@@ -357,6 +363,8 @@ SIM_CASES = [
      "scalar, no RoPE"),
     (QkCase(BFLOAT16, 80, "neox", partial=True, heads=(4, 2), lead=(1,)),
      "aligned, but a neox rotary_dim (40) of two and a half chunk pairs: scalar"),
+    (QkCase(FLOAT16, 128, "neox", partial=True, heads=(3, 2), lead=(2,)),
+     "vector, partners by shuffles (a rotary_dim of a power of two of chunk pairs, not all D)"),
 ]
 SIM_QUICK = {SIM_CASES[0][0].id, SIM_CASES[1][0].id, SIM_CASES[2][0].id}
 
@@ -377,12 +385,15 @@ def test_sim_cases_cover_every_form():
     assert {(c.rope, vector_form(c)) for c in cases} >= {
         ("neox", True), ("neox", False), ("gptj", True), ("gptj", False), (None, True),
         (None, False)}
+    # halves, scalar: the vector halves cases' misaligned twins
+    assert {(vector_form(c), c.halves) for c in cases if c.rope == "neox"} == {
+        (True, True), (True, False), (False, False)}
     assert {(c.dtype, c.d) for c in cases} >= {(FLOAT32, 256), (FLOAT32, 80), (BFLOAT16, 80)}
     quick = [c for c in cases if c.id in SIM_QUICK]
     assert {c.rope for c in quick} == set(ROPES)
     assert {vector_form(c) for c in quick} == {True, False}
     for c in cases:     # some block holds rows past the last head
-        rows = _config.rows_per_block(_config.row_layout(c.d, c.dtype))
+        rows = _config.qk_rows(_config.qk_layout(c.d, c.dtype, c.halves), c.halves)
         assert sum(c.heads) % rows, c.id
 
 
@@ -390,19 +401,22 @@ def test_sim_cases_cover_every_form():
 @pytest.mark.parametrize("case", matrix_params([c for c, _ in SIM_CASES],
                                                lambda c: c.id in SIM_QUICK))
 def test_sim_matches_reference(sim, rng, case):  # noqa: F811
-    """The kernel (kernels/qk_norm.py) that ran: rms_norm's row layout for N = D, its rows per
-    block, the access form the buffer allows; then check_call's contract; a vector case's buffer
-    one element off its alignment (the scalar kernel) gives the same bits."""
+    """The kernel (kernels/qk_norm.py) that ran: rms_norm's row layout for N = D (or the layout
+    in halves), its rows per block, the access form the buffer allows; then check_call's contract;
+    a vector case's buffer one element off its alignment (the scalar kernel) gives the same
+    bits."""
     be = sim(32)
     call = Call.make(rng, case)
     original = call.buf.copy()
-    layout = _config.row_layout(case.d, case.dtype)
+    layout = _config.qk_layout(case.d, case.dtype, case.halves)
+    assert case.halves or layout == _config.row_layout(case.d, case.dtype)
     with launched_specs(be) as specs:
         q_out, k_out = check_call(call)
     qk_specs = [s for s in specs if isinstance(s, _config.QkSpec)]
     assert len(qk_specs) == 2, specs                    # out of place, in place
     for spec in qk_specs:
-        assert spec.layout == layout and spec.rows == _config.rows_per_block(layout), spec
+        assert spec.layout == layout and spec.halves == case.halves, spec
+        assert spec.rows == _config.qk_rows(layout, case.halves), spec
         assert spec.vector == vector_form(case), spec
         assert (spec.dtype, spec.weight, spec.rope) == (case.dtype, case.wdtype,
                                                          case.rope or ""), spec
@@ -671,7 +685,8 @@ def test_cpu_position_outside_the_cache_raises(rng):
 
 @pytest.mark.sim
 @pytest.mark.parametrize("case,bad", full_tier_except(
-    [(SIM_CASES[1][0], MAX_POSITION), (SIM_CASES[1][0], -1), (SIM_CASES[3][0], 2**31 - 1)],
+    [(SIM_CASES[1][0], MAX_POSITION), (SIM_CASES[1][0], -1), (SIM_CASES[3][0], 2**31 - 1),
+     (SIM_CASES[5][0], MAX_POSITION)],
     lambda case: case[1] == MAX_POSITION), ids=lambda v: str(v) if isinstance(v, int) else v.id)
 def test_sim_position_outside_the_cache(sim, rng, monkeypatch, case, bad):  # noqa: F811
     """GPU semantics: the token whose position lies outside the cache gets NaN over the rotated

@@ -415,6 +415,7 @@ class GpuBackend:
         style, cache_dtype, pos_dtype, cache_stride, max_position, rot = geo.rope or (
             "", "", "", 0, 0, 0)
         vector = self._rows_aligned(geo.d, dtype, strides)
+        halves = _config.qk_halves(geo.d, dtype, style, rot)
         if vector and style == "neox":     # the partner a power-of-two chunks away (qk_norm)
             chunk = _ALIGN // _dtypes.ITEMSIZE[dtype]
             lanes = rot // (2 * chunk)
@@ -424,7 +425,7 @@ class GpuBackend:
 
         def build(vector):
             spec = _config.qk_spec(geo.d, dtype, weight_dtype, vector, style, cache_dtype,
-                                   pos_dtype)
+                                   pos_dtype, halves)
             kernel = self.kernel(qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
             grid = (geo.tokens, _config.ceil_div(geo.hq + geo.hk, spec.rows), 1)
             return kernel, grid, (spec.layout.threads, spec.rows, 1), tail

@@ -265,6 +265,9 @@ def gated_bwd_slots(spec, m, groups, sm_count):
 # ---- QK-norm: attention heads' rows, optionally rotated (RoPE) ----------------------------
 # the longest head row: its neox rotation passes through a block's shared memory (32 KiB)
 QK_MAX_HEAD_SIZE = 8192
+# threads per block of head rows in halves (qk_halves): 64, so that 8-thread bf16 heads of 128 fill
+# blocks of 8 heads, as the usual layout's 16-thread rows do 128-thread blocks
+QK_HALVES_BLOCK_THREADS = 64
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,7 @@ class QkSpec:
     rope: str = ""          # "" | "neox" | "gptj"
     cache: str = ""         # cos_sin_cache's dtype (rope)
     positions: str = ""     # "int32" | "int64" (rope)
+    halves: bool = False    # qk_halves: a thread holds chunk c and its neox partner c + D / 2
 
     def __post_init__(self):
         if bool(self.rope) != bool(self.cache and self.positions):
@@ -288,13 +292,41 @@ class QkSpec:
                              f"positions={self.positions!r}")
 
 
-def qk_spec(d, dtype, weight, vector, rope="", cache="", positions=""):
-    """The QK-norm kernel of heads of ``d`` elements: rms_norm's row layout for N = d (cached:
-    a head is at most a few chunks a thread), several heads a block."""
-    layout = row_layout(d, dtype)
-    return QkSpec(layout=layout, rows=rows_per_block(layout), dtype=dtype, weight=weight,
+def qk_halves(d, dtype, rope, rotary_dim):
+    """Whether heads of ``d`` take the layout in halves: neox over the whole head, whose halves are
+    a power of two of chunks, at most a warp's lanes.  Thread t then owns chunk t and its
+    partner chunk t + D / 2 (two chunks a thread): the rotation needs no other thread's values
+    and one cos / sin load serves both.  A function of the call's D, dtype, style and
+    rotary_dim, never of the batch or the alignment (batch invariance)."""
+    chunk = CHUNK_BYTES // _dtypes.ITEMSIZE[dtype]
+    lanes, ragged = divmod(d, 2 * chunk)
+    return (rope == "neox" and rotary_dim == d and not ragged and 1 <= lanes <= 32
+            and lanes & (lanes - 1) == 0)
+
+
+def qk_layout(d, dtype, halves=False):
+    """A head row's layout: rms_norm's for N = d (cached: a head is at most a few chunks a
+    thread), or the layout in halves (qk_halves)."""
+    if not halves:
+        return row_layout(d, dtype)
+    chunk = CHUNK_BYTES // _dtypes.ITEMSIZE[dtype]
+    return RowLayout(n=d, chunk=chunk, threads=d // (2 * chunk), chunks_per_thread=2,
+                     cached=True)
+
+
+def qk_rows(layout, halves=False):
+    """Head rows per block."""
+    if halves:
+        return max(1, QK_HALVES_BLOCK_THREADS // layout.threads)
+    return rows_per_block(layout)
+
+
+def qk_spec(d, dtype, weight, vector, rope="", cache="", positions="", halves=False):
+    """The QK-norm kernel of heads of ``d`` elements (qk_layout), several heads a block."""
+    layout = qk_layout(d, dtype, halves)
+    return QkSpec(layout=layout, rows=qk_rows(layout, halves), dtype=dtype, weight=weight,
                   vector=vector, rope=rope, cache=cache if rope else "",
-                  positions=positions if rope else "")
+                  positions=positions if rope else "", halves=halves)
 
 
 # ---- backward ---------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ class Variant:
         if self.op == "qk":
             rope = f"{s.rope}:cache={s.cache}:pos={s.positions}" if s.rope else "none"
             return (f"qk:{s.dtype}:w={s.weight}:D={s.layout.n}:"
-                    f"{'vec' if s.vector else 'scalar'}:rope={rope}")
+                    f"{'vec' if s.vector else 'scalar'}:rope={rope}"
+                    + (":halves" if s.halves else ""))
         if self.op == "bwd_reduce":
             return f"bwd_reduce:w={s.weight}:groups={s.groups}" + (":pairs" if s.pairs else "")
         layout = s.layout
@@ -273,15 +274,23 @@ QK_REPRESENTATIVE_D = (80, 128, 256)
 
 def qk_variants(ds=QK_REPRESENTATIVE_D, vendor="cuda"):
     """Per dtype and head size: no RoPE, neox and gptj, the vector form for the first two and the
-    scalar form for the third, with the weight, cache and positions dtypes rotating over them."""
+    scalar form for the third, with the weight, cache and positions dtypes rotating over them;
+    and neox over the whole head in halves (_config.qk_halves) where D allows it, vector at the
+    first such D and scalar at the next."""
     for dtype in _dtypes.ACTIVATION_DTYPES:
         weights = _weights(dtype)[1:]
+        halves_ds = [d for d in ds if _config.qk_halves(d, dtype, "neox", d)]
         for i, d in enumerate(ds):
-            for j, rope in enumerate(("", "neox", "gptj")):
+            for j, rope in enumerate(("", "neox", "gptj", "halves")):
+                if rope == "halves" and d not in halves_ds[:2]:
+                    continue
                 weight = weights[(i + j) % len(weights)]
                 cache = weights[(i + j + 1) % len(weights)]
                 positions = ("int32", "int64")[(i + j) % 2]
-                spec = _config.qk_spec(d, dtype, weight, j < 2, rope, cache, positions)
+                halves = rope == "halves"
+                vector = j < 2 or (halves and d == halves_ds[0])
+                spec = _config.qk_spec(d, dtype, weight, vector, "neox" if halves else rope,
+                                       cache, positions, halves)
                 yield Variant("qk", qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
 
 

@@ -9,12 +9,15 @@ with its own weight, optionally followed by rotary position embedding (RoPE).
     out  = round(y)                                  one rounding to q's dtype
 
 A head row is rms_norm's row of N = D: the same layout (kernels/_config.row_layout) and the same
-row pieces, so without RoPE each head's output is bitwise rms_norm's of that row.  The grid is
-(T, head blocks): block (t, b) takes heads b * rows ... of token t, heads below Hq being q's and
-the rest k's, so no row index is ever divided.  Each thread reads its chunks before it writes
-them and the neox partner comes through shared memory, never from the outputs: q_out may be q
-and k_out k (the in-place entry point).  A position outside [0, max_position) reads no cache and
-writes NaN over the token's rotated elements.
+row pieces, so without RoPE each head's output is bitwise rms_norm's of that row.  Neox over the
+whole head takes the layout in halves instead where D allows (_config.qk_halves): thread t
+holds chunks t and t + D / 2, an element and its partner, so the rotation reads no other
+thread.  The grid is (T, head blocks): block (t, b) takes heads b * rows ... of token t, heads
+below Hq being q's and the rest k's, so no row index is ever divided.  Each thread reads its
+chunks before it writes them and the neox partner comes from its own registers, a shuffle or
+shared memory, never from the outputs: q_out may be q and k_out k (the in-place entry point).
+A position outside [0, max_position) reads no cache and writes NaN over the token's rotated
+elements.
 """
 import math
 from collections import namedtuple
@@ -79,8 +82,9 @@ def make_qk_norm(intr, spec: QkSpec):
     # an xor shuffle.  Otherwise rows pass through shared memory, whose traffic bound the
     # rotation (L1 83% busy, 2.7x the norm's time at D = 128, T = 4096 on the H100).
     cache_vector = spec.vector and neox
+    halves = spec.halves    # a thread's second chunk is its first's partner (_config.qk_halves)
     shuffle = cache_vector and per_thread == 1 and threads <= 32
-    swap_shape = (rows, n if neox and not shuffle else 1)
+    swap_shape = (rows, n if neox and not (shuffle or halves) else 1)
     shfl_xor = intr.shfl_xor
     load_cache = ChunkIO(intr, spec.cache or _dtypes.FLOAT32, chunk, n, cache_vector).load
 
@@ -130,6 +134,21 @@ def make_qk_norm(intr, spec: QkSpec):
         inside = pos >= 0 and pos < a.max_position
         row = pos * a.cache_stride
         half = a.rot >> 1
+        if halves:  # one chunk's cos and sin serve both; NaN outside the cache
+            col0 = tx * chunk
+            if live and inside:
+                if cache_vector:
+                    load_cache(a.cache, row, col0, cos, 0)
+                    load_cache(a.cache, row + half, col0, sin, 0)
+                else:
+                    for e in range(chunk):
+                        cos[e] = decode_cache(a.cache[row + col0 + e])
+                        sin[e] = decode_cache(a.cache[row + half + col0 + e])
+            else:
+                for e in range(chunk):
+                    cos[e] = nan
+                    sin[e] = nan
+            return inside
         if cache_vector:
             for k in range(per_thread):
                 col0 = (tx + k * threads) * chunk
@@ -166,6 +185,13 @@ def make_qk_norm(intr, spec: QkSpec):
         """RoPE over this thread's chunks of the first ``rot`` elements (vals float32)."""
         ty = gpu.threadIdx.y
         half = a.rot >> 1
+        if halves:      # neox_rotated's operations; a NaN cos / sin outside the cache
+            if live:
+                for e in range(chunk):
+                    first, second = vals[e], vals[chunk + e]
+                    vals[e] = fma(first, cos[e], -(second * sin[e]))
+                    vals[chunk + e] = fma(second, cos[e], first * sin[e])
+            return
         if shuffle:     # every lane of the warp takes part, live or not
             lanes = half // chunk
             for e in range(chunk):
