@@ -275,23 +275,23 @@ QK_REPRESENTATIVE_D = (80, 128, 256)
 def qk_variants(ds=QK_REPRESENTATIVE_D, vendor="cuda"):
     """Per dtype and head size: no RoPE, neox and gptj, the vector form for the first two and the
     scalar form for the third, with the weight, cache and positions dtypes rotating over them;
-    and neox over the whole head in halves (_config.qk_halves) where D allows it, vector at the
-    first such D and scalar at the next."""
+    then neox over the whole head in halves (_config.qk_halves) at the first two head sizes that
+    allow it, vector and scalar."""
     for dtype in _dtypes.ACTIVATION_DTYPES:
         weights = _weights(dtype)[1:]
-        halves_ds = [d for d in ds if _config.qk_halves(d, dtype, "neox", d)]
         for i, d in enumerate(ds):
-            for j, rope in enumerate(("", "neox", "gptj", "halves")):
-                if rope == "halves" and d not in halves_ds[:2]:
-                    continue
+            for j, rope in enumerate(("", "neox", "gptj")):
                 weight = weights[(i + j) % len(weights)]
                 cache = weights[(i + j + 1) % len(weights)]
                 positions = ("int32", "int64")[(i + j) % 2]
-                halves = rope == "halves"
-                vector = j < 2 or (halves and d == halves_ds[0])
-                spec = _config.qk_spec(d, dtype, weight, vector, "neox" if halves else rope,
-                                       cache, positions, halves)
+                spec = _config.qk_spec(d, dtype, weight, j < 2, rope, cache, positions)
                 yield Variant("qk", qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
+        halves = [d for d in ds if _config.qk_halves(d, dtype, "neox", d)][:2]
+        for i, d in enumerate(halves):
+            spec = _config.qk_spec(d, dtype, weights[i % len(weights)], i == 0, "neox",
+                                   weights[(i + 1) % len(weights)], ("int32", "int64")[i % 2],
+                                   halves=True)
+            yield Variant("qk", qk_norm.make_qk_norm, spec, qk_norm.argtypes(spec))
 
 
 def variants(vendor="cuda"):
