@@ -362,37 +362,31 @@ def define_ptx_quant(intrinsic, pack_e4m3x2_integer):
 
         return sig, codegen
 
-    @intrinsic
-    def max_abs_nan(typingctx, acc, value):
-        """max(acc, |value|) where a NaN wins: ``max.NaN.f32`` (sm_80+; one FMNMX.NAN with an
-        abs operand, like max_abs's FMNMX)."""
-        if not (isinstance(acc, types.Float) and isinstance(value, types.Float)):
-            return None
+    return dict(f32_to_i8=f32_to_i8, pack_e4m3x2=pack_e4m3x2)
 
-        def codegen(context, builder, sig, args):
-            a = context.cast(builder, args[0], sig.args[0], types.float32)
-            f = context.cast(builder, args[1], sig.args[1], types.float32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType(), ir.FloatType()]),
-                               "{ .reg .f32 t; abs.f32 t, $2; max.NaN.f32 $0, $1, t; }",
-                               "=f,f,f", side_effect=False)
-            return builder.call(asm, [a, f])
 
-        return types.float32(acc, value), codegen
-
-    return dict(f32_to_i8=f32_to_i8, pack_e4m3x2=pack_e4m3x2, max_abs_nan=max_abs_nan)
+def _portable_max_nan(a, b):
+    if b > a or b != b:
+        return b
+    return a
 
 
 def define_ptx_max_nan(intrinsic):
     @intrinsic
     def max_nan(typingctx, a, b):
         """max(a, b) where a NaN wins: ``max.NaN.f32`` (sm_80+; one FMNMX.NAN where the portable
-        form takes a compare, a NaN test and a select; ptxas folds an abs of ``b`` into it)."""
+        form, compiled for older targets, takes a compare, a NaN test and a select; ptxas folds
+        an abs of ``b`` into it)."""
         if not (isinstance(a, types.Float) and isinstance(b, types.Float)):
             return None
 
         def codegen(context, builder, sig, args):
             x = context.cast(builder, args[0], sig.args[0], types.float32)
             y = context.cast(builder, args[1], sig.args[1], types.float32)
+            if _target_cc() < (8, 0):
+                return context.compile_internal(
+                    builder, _portable_max_nan, types.float32(types.float32, types.float32),
+                    [x, y])
             asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType(), ir.FloatType()]),
                                "max.NaN.f32 $0, $1, $2;", "=f,f,f", side_effect=False)
             return builder.call(asm, [x, y])

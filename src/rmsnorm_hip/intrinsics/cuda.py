@@ -27,8 +27,14 @@ def _shfl_xor(value, offset):
 
 def build():
     compiled = _llvm.define(intrinsic, fabs="llvm.nvvm.fabs.f", fmax="llvm.nvvm.fmax.f")
+    max_nan = _llvm.define_ptx_max_nan(intrinsic)
     shared = vars(_shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
-                                _shfl_xor, _llvm.define_ptx_max_nan(intrinsic)))
+                                _shfl_xor, max_nan))
+
+    @register_jitable
+    def max_abs_nan(acc, value):    # one FMNMX.NAN: ptxas folds the abs into its operand
+        return max_nan(acc, abs(value))
+
     # hardware conversions: the integer forms cost ~15 ALU ops per element, which at H200 bandwidth
     # is the whole INT32 budget (bf16 forward measured at 59-89% of copy with them)
     shared.update(_llvm.define_hw_f16(intrinsic))
@@ -48,7 +54,8 @@ def build():
     def f32_to_e4m3(value):  # the packed stores' instruction: one NaN pattern everywhere
         return pack_e4m3x2(value, float32(0.0)) & uint32(0xFF)
 
-    shared.update(quant, f32_to_e4m3=f32_to_e4m3, mx_pack_e4m3x2=pack_e4m3x2)
+    shared.update(quant, f32_to_e4m3=f32_to_e4m3, mx_pack_e4m3x2=pack_e4m3x2,
+                  max_abs_nan=max_abs_nan)
     shared.update(row_barrier=_llvm.define_named_barrier(intrinsic))
     shared.update(load_b128_stream=_llvm.define_stream_load(intrinsic))
     compiled.update(_llvm.define_ptx_red(intrinsic))   # NVVM refuses atomicrmw fadd
