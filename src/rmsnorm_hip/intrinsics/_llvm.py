@@ -365,13 +365,8 @@ def define_ptx_quant(intrinsic, pack_e4m3x2_integer):
     return dict(f32_to_i8=f32_to_i8, pack_e4m3x2=pack_e4m3x2)
 
 
-def _portable_max_nan(a, b):
-    if b > a or b != b:
-        return b
-    return a
-
-
-def define_ptx_max_nan(intrinsic):
+def define_ptx_max_nan(intrinsic, portable):
+    """CUDA's ``max_nan``; ``portable`` (a Python function) is compiled below sm_80."""
     @intrinsic
     def max_nan(typingctx, a, b):
         """max(a, b) where a NaN wins: ``max.NaN.f32`` (sm_80+; one FMNMX.NAN where the portable
@@ -385,7 +380,7 @@ def define_ptx_max_nan(intrinsic):
             y = context.cast(builder, args[1], sig.args[1], types.float32)
             if _target_cc() < (8, 0):
                 return context.compile_internal(
-                    builder, _portable_max_nan, types.float32(types.float32, types.float32),
+                    builder, portable, types.float32(types.float32, types.float32),
                     [x, y])
             asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType(), ir.FloatType()]),
                                "max.NaN.f32 $0, $1, $2;", "=f,f,f", side_effect=False)

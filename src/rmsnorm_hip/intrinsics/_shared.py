@@ -16,6 +16,13 @@ from numba import float32, int32, uint16, uint32
 _RNE_MAGIC = 12582912.0
 
 
+def portable_max_nan(a, b):
+    """max(a, b) where a NaN wins, so a NaN row cannot hide behind a finite max."""
+    if b > a or b != b:
+        return b
+    return a
+
+
 def build(jitable, f32_as_u32, u32_as_f32, shfl_xor, max_nan=None):
     """The helpers over one backend's primitives; ``max_nan`` replaces the portable NaN-winning
     max where the backend has it in one instruction."""
@@ -143,14 +150,7 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor, max_nan=None):
         """Two float4 e2m1 levels in one uint32 (lo in bits 0-3, hi in bits 4-7)."""
         return f32_to_e2m1(lo) | (f32_to_e2m1(hi) << uint32(4))
 
-    @jitable
-    def portable_max_nan(a, b):
-        """max(a, b) where a NaN wins, so a NaN row cannot hide behind a finite max."""
-        if b > a or b != b:
-            return b
-        return a
-
-    max_nan = max_nan or portable_max_nan
+    max_nan = max_nan or jitable(portable_max_nan)
 
     @jitable
     def warp_sum(value, width):

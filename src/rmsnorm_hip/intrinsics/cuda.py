@@ -27,7 +27,7 @@ def _shfl_xor(value, offset):
 
 def build():
     compiled = _llvm.define(intrinsic, fabs="llvm.nvvm.fabs.f", fmax="llvm.nvvm.fmax.f")
-    max_nan = _llvm.define_ptx_max_nan(intrinsic)
+    max_nan = _llvm.define_ptx_max_nan(intrinsic, _shared.portable_max_nan)
     shared = vars(_shared.build(register_jitable, compiled["f32_as_u32"], compiled["u32_as_f32"],
                                 _shfl_xor, max_nan))
 
