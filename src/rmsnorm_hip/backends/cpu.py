@@ -91,19 +91,36 @@ class RowPool:
             future.result()
 
 
-def rows_view(info, m, n, row_stride):
-    """(m, n) view of host memory with the given row stride (elements)."""
+def vector(info, *dims):
+    """The storage elements of ``info`` from its first element to the last one the (count,
+    stride) pairs ``dims`` reach, as one contiguous vector: how every array reaches a CPU kernel
+    (kernels/cpu_rmsnorm.py), so that a kernel compiles once whatever the callers' strides."""
     host = info.host
-    return np.lib.stride_tricks.as_strided(host, shape=(m, n),
-                                           strides=(row_stride * host.itemsize, host.itemsize))
+    span = 0 if any(count <= 0 for count, _ in dims) else (
+        1 + sum((count - 1) * stride for count, stride in dims))
+    return np.lib.stride_tricks.as_strided(host, shape=(span,), strides=(host.itemsize,))
 
 
-def heads_view(info, t, h, n, stride, head_stride):
-    """(t, h, n) view of host memory: rows at two strides (elements)."""
-    host = info.host
-    size = host.itemsize
-    return np.lib.stride_tricks.as_strided(host, shape=(t, h, n),
-                                           strides=(stride * size, head_stride * size, size))
+def _packed(info):
+    """A 1-D input (rstd) as a contiguous vector: a copy only where the caller's is strided; a
+    dummy where there is none."""
+    if info is None:
+        return _dummy(_dtypes.FLOAT32)
+    return np.ascontiguousarray(info.host.reshape(-1))
+
+
+def _gains(info):
+    """A weight or xscale as a contiguous float32 vector (16-bit values convert exactly, and the
+    kernels compute in float32), so that a kernel serves every gain dtype; a dummy where there is
+    none.  Returns (its dtype name in kernel keys: "" or "float32", the vector)."""
+    if info is None:
+        return "", _dummy(_dtypes.FLOAT32)
+    host = info.host.reshape(-1)
+    if info.dtype == _dtypes.BFLOAT16:
+        return _dtypes.FLOAT32, (host.astype(np.uint32) << 16).view(np.float32)
+    if info.dtype == _dtypes.FLOAT16:
+        return _dtypes.FLOAT32, host.view(np.float16).astype(np.float32)
+    return _dtypes.FLOAT32, np.ascontiguousarray(host)
 
 
 class NumbaDiskCache(NullCache):
@@ -160,8 +177,9 @@ class NumbaDiskCache(NullCache):
             self._lock = None
 
 
-def _dummy(dtype, ndim=1):
-    return np.zeros((1,) * ndim, _dtypes.STORAGE[dtype])
+def _dummy(dtype):
+    """The vector passed for an array a call does not have (never read or written)."""
+    return np.zeros(1, _dtypes.STORAGE[dtype])
 
 
 class CpuBackend:
@@ -186,73 +204,65 @@ class CpuBackend:
     def rms_norm_fwd(self, x, weight, y, rstd, m, n, x_stride, y_stride, eps, weight_offset,
                      heads=None):
         """``heads``: (H, x's head stride, y's head stride) for rows at two strides (the row
-        strides are then per H rows): run as H calls over the rows of one head each."""
-        wdtype = weight.dtype if weight is not None else ""
+        strides are then per H rows)."""
+        wdtype, w = _gains(weight)
         fwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_fwd, x.dtype, wdtype)
-        w = weight.host if weight is not None else _dummy(_dtypes.FLOAT32)
-        r = rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32)
-        if heads is None:
-            args = (rows_view(x, m, n, x_stride), w, rows_view(y, m, n, y_stride), r,
-                    np.float32(eps), np.float32(weight_offset), rstd is not None)
-            self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
-            return
-        h, x_head_stride, y_head_stride = heads
+        h, x_head_stride, y_head_stride = heads or (1, n, n)
         t = m // h
-        xs = heads_view(x, t, h, n, x_stride, x_head_stride)
-        ys = heads_view(y, t, h, n, y_stride, y_head_stride)
-        for i in range(h):
-            args = (xs[:, i], w, ys[:, i], r[i::h] if rstd is not None else r, np.float32(eps),
-                    np.float32(weight_offset), rstd is not None)
-            self.pool.run(lambda lo, hi: fwd(*args, lo, hi), t, t * n)
+        rows = (n, h, x_stride, x_head_stride, y_stride, y_head_stride)
+        args = (vector(x, (t, x_stride), (h, x_head_stride), (n, 1)), w,
+                vector(y, (t, y_stride), (h, y_head_stride), (n, 1)),
+                rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32), rows,
+                np.float32(eps), np.float32(weight_offset), rstd is not None)
+        self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
     def rms_norm_gated_fwd(self, x, z, weight, y, rstd, m, n, strides, heads, eps,
                            weight_offset, gate):
         """See GpuBackend.rms_norm_gated_fwd (same arguments)."""
         h = heads[0]
-        fwd = self._kernel(cpu_rmsnorm.make_cpu_gated_fwd, x.dtype,
-                           weight.dtype if weight is not None else "", gate)
-        rows = m // h
-        xs, zs, ys = (heads_view(info, rows, h, n, stride, head_stride)
-                      for info, stride, head_stride in zip((x, z, y), strides, heads[1:]))
-        args = (xs, zs, weight.host if weight is not None else _dummy(_dtypes.FLOAT32), ys,
-                rstd.host.reshape(-1) if rstd is not None else _dummy(_dtypes.FLOAT32),
+        wdtype, w = _gains(weight)
+        fwd = self._kernel(cpu_rmsnorm.make_cpu_gated_fwd, x.dtype, wdtype, gate)
+        count = m // h
+        arrays = [vector(info, (count, stride), (h, head_stride), (n, 1))
+                  for info, stride, head_stride in zip((x, z, y), strides, heads[1:])]
+        rows = (h, n) + tuple(v for pair in zip(strides, heads[1:]) for v in pair)
+        args = (*arrays[:2], w, arrays[2],
+                rstd.host.reshape(-1) if rstd is not None else _dummy(_dtypes.FLOAT32), rows,
                 np.float32(eps), np.float32(weight_offset), rstd is not None)
-        self.pool.run(lambda lo, hi: fwd(*args, lo, hi), rows, m * n)
+        self.pool.run(lambda lo, hi: fwd(*args, lo, hi), count, m * n)
 
     def rms_norm_gated_bwd(self, dy, x, z, weight, rstd, dx, dz, dweight, m, groups, g, strides,
                            eps, weight_offset, gate, workspace):
         """See GpuBackend.rms_norm_gated_bwd (same arguments).  dweight: partial rows of
         BWD_GROUPS row groups (a function of M), summed in group order."""
-        wdtype = weight.dtype if weight is not None else ""
-        bwd = self._kernel(cpu_rmsnorm.make_cpu_gated_bwd, x.dtype, wdtype, rstd is None, gate)
+        gain_dtype, w = _gains(weight)
+        bwd = self._kernel(cpu_rmsnorm.make_cpu_gated_bwd, x.dtype, gain_dtype, rstd is None,
+                           gate)
         parts = min(m, cpu_rmsnorm.BWD_GROUPS)
         partial = workspace((parts, groups * g)).host
-        views = [heads_view(info, m, groups, g, stride, g)
-                 for info, stride in zip((dy, x, z, dx, dz), strides)]
-        dyv, xv, zv, dxv, dzv = views
-        args = (dyv, xv, zv, weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
+        dyv, xv, zv, dxv, dzv = (vector(info, (m, stride), (groups * g, 1))
+                                 for info, stride in zip((dy, x, z, dx, dz), strides))
+        args = (dyv, xv, zv, w,
                 rstd.host.reshape(-1) if rstd is not None else _dummy(_dtypes.FLOAT32), dxv, dzv,
-                partial, np.float32(eps), np.float32(weight_offset))
+                partial, (m, groups, g, *strides), np.float32(eps), np.float32(weight_offset))
         self.pool.run(lambda p0, p1: bwd(*args, p0, p1), parts, m * groups * g)
         if weight is not None:
-            self._kernel(cpu_rmsnorm.make_dweight_sum, wdtype)(partial, dweight.host)
+            self._kernel(cpu_rmsnorm.make_dweight_sum, weight.dtype)(partial, dweight.host)
 
     def rms_norm_fused_fwd(self, x, residual, weight, xscale, y, residual_out, rstd, yscale, m, n,
                            strides, eps, weight_offset, quant=""):
         """See GpuBackend.rms_norm_fused_fwd (same arguments)."""
-        x_stride, r_stride, y_stride, ro_stride = strides
-        fwd = self._kernel(cpu_rmsnorm.make_cpu_fused_fwd, x.dtype,
-                           weight.dtype if weight is not None else "", residual is not None,
-                           quant, xscale.dtype if xscale is not None else "")
-
-        def rows(info, stride):
-            return rows_view(info, m, n, stride) if info is not None else _dummy(x.dtype, 2)
-
-        def vec(info):
-            return info.host if info is not None else _dummy(_dtypes.FLOAT32)
-
-        args = (rows(x, x_stride), rows(residual, r_stride), vec(weight), vec(xscale),
-                rows(y, y_stride), rows(residual_out, ro_stride), vec(rstd), vec(yscale),
+        (wdtype, w), (sdtype, xs) = _gains(weight), _gains(xscale)
+        fwd = self._kernel(cpu_rmsnorm.make_cpu_fused_fwd, x.dtype, wdtype, residual is not None,
+                           quant, sdtype)
+        x_v, residual_v, y_v, residual_out_v = (
+            vector(info, (m, stride), (n, 1)) if info is not None else _dummy(x.dtype)
+            for info, stride in zip((x, residual, y, residual_out), strides))
+        rows = (n, *(stride if info is not None else 0
+                     for info, stride in zip((x, residual, y, residual_out), strides)))
+        args = (x_v, residual_v, w, xs, y_v, residual_out_v,
+                rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
+                yscale.host if yscale is not None else _dummy(_dtypes.FLOAT32), rows,
                 np.float32(eps), np.float32(weight_offset), rstd is not None)
         self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
@@ -260,58 +270,46 @@ class CpuBackend:
                            strides, scale_strides, eps, weight_offset, quant, scaling, group,
                            scale_value=0.0):
         """See GpuBackend.rms_norm_quant_fwd (same arguments)."""
-        x_stride, r_stride, q_stride, ro_stride = strides
-        fwd = self._kernel(cpu_rmsnorm.make_cpu_quant_fwd, x.dtype,
-                           weight.dtype if weight is not None else "", residual is not None,
-                           quant, xscale.dtype if xscale is not None else "", scaling, group)
-        q_width = n // 2 if quant == _dtypes.MXFP4 else n
-
-        def rows(info, stride, width=n):
-            return (rows_view(info, m, width, stride) if info is not None
-                    else _dummy(x.dtype, 2))
-
-        def vec(info):
-            return info.host if info is not None else _dummy(_dtypes.FLOAT32)
-
+        (wdtype, w), (sdtype, xs) = _gains(weight), _gains(xscale)
+        fwd = self._kernel(cpu_rmsnorm.make_cpu_quant_fwd, x.dtype, wdtype, residual is not None,
+                           quant, sdtype, scaling, group)
+        widths = (n, n, n // 2 if quant == _dtypes.MXFP4 else n, n)
+        x_v, residual_v, q_v, residual_out_v = (
+            vector(info, (m, stride), (width, 1)) if info is not None else _dummy(x.dtype)
+            for info, stride, width in zip((x, residual, q, residual_out), strides, widths))
         if scaling == "static":
-            table = (np.full((1, 1), scale_value, np.float32) if scales is None
-                     else scales.host.reshape(1, 1))
+            table = (np.full(1, scale_value, np.float32) if scales is None
+                     else scales.host.reshape(-1)[:1])
+            scale_strides = (0, 0)
         else:
-            host = scales.host
-            table = np.lib.stride_tricks.as_strided(
-                host, shape=(m, n // group),
-                strides=tuple(s * host.itemsize for s in scale_strides))
-        args = (rows(x, x_stride), rows(residual, r_stride), vec(weight), vec(xscale),
-                rows(q, q_stride, q_width), rows(residual_out, ro_stride), table,
-                np.float32(eps), np.float32(weight_offset))
+            table = vector(scales, *zip((m, n // group), scale_strides))
+        rows = (n, *(stride if info is not None else 0
+                     for info, stride in zip((x, residual, q, residual_out), strides)),
+                *scale_strides)
+        args = (x_v, residual_v, w, xs, q_v, residual_out_v, table,
+                rows, np.float32(eps), np.float32(weight_offset))
         self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
     def qk_norm(self, q, k, q_weight, k_weight, q_out, k_out, positions, cache, geo, eps,
                 weight_offset):
         """See GpuBackend.qk_norm (same arguments)."""
         style, cache_dtype, _, cache_stride, max_position, rot = geo.rope or ("", "", "", 0, 0, 0)
-        run = self._kernel(cpu_rmsnorm.make_cpu_qk_norm, q.dtype, q_weight.dtype, style,
-                           cache_dtype)
-
-        def heads(info, count, strides):
-            host = info.host
-            return np.lib.stride_tricks.as_strided(
-                host, shape=(geo.tokens, count, geo.d),
-                strides=(strides[0] * host.itemsize, strides[1] * host.itemsize, host.itemsize))
-
+        (wdtype, qw), (_, kw) = _gains(q_weight), _gains(k_weight)
+        run = self._kernel(cpu_rmsnorm.make_cpu_qk_norm, q.dtype, wdtype, style, cache_dtype)
+        tokens, d = geo.tokens, geo.d
+        views = [vector(info, (tokens, strides[0]), (count, strides[1]), (d, 1))
+                 for info, count, strides in ((q, geo.hq, geo.q), (k, geo.hk, geo.k),
+                                              (q_out, geo.hq, geo.q_out),
+                                              (k_out, geo.hk, geo.k_out))]
         if geo.rope:
-            table = cache.host
-            table = np.lib.stride_tricks.as_strided(
-                table, shape=(max_position, rot),
-                strides=(cache_stride * table.itemsize, table.itemsize))
+            table = vector(cache, (max_position, cache_stride), (rot, 1))
             pos = positions.host.reshape(-1)
         else:
-            table, pos = _dummy(_dtypes.FLOAT32, 2), np.zeros(1, np.int64)
-        args = (heads(q, geo.hq, geo.q), heads(k, geo.hk, geo.k), q_weight.host, k_weight.host,
-                heads(q_out, geo.hq, geo.q_out), heads(k_out, geo.hk, geo.k_out), pos, table,
-                rot, np.float32(eps), np.float32(weight_offset))
-        self.pool.run(lambda lo, hi: run(*args, lo, hi), geo.tokens,
-                      geo.tokens * (geo.hq + geo.hk) * geo.d)
+            table, pos = _dummy(_dtypes.FLOAT32), np.zeros(1, np.int64)
+        heads = (d, geo.hq, geo.hk, *geo.q, *geo.k, *geo.q_out, *geo.k_out, cache_stride, rot)
+        args = (views[0], views[1], qw, kw, views[2], views[3], pos,
+                table, heads, np.float32(eps), np.float32(weight_offset))
+        self.pool.run(lambda lo, hi: run(*args, lo, hi), tokens, tokens * (geo.hq + geo.hk) * d)
 
     def rms_norm_bwd(self, dy, x, weight, rstd, dres, dx, dweight, m, n, strides, eps,
                      weight_offset, workspace, deterministic=True, zero_fill=None, heads=None):
@@ -320,25 +318,21 @@ class CpuBackend:
         the same bits whatever the threads.  ``heads``: (H, head strides of dy, x, dresidual,
         dx) for rows at two strides (the row strides are then per H rows)."""
         h, *head_strides = heads or (1, n, n, n, n)
-
-        def rows_view(info, stride, head_stride):     # (T, H, N): row i at [i // H, i % H]
-            return heads_view(info, m // h, h, n, stride, head_stride)
-
-        dy_stride, x_stride, dres_stride, dx_stride = strides
-        dy_hs, x_hs, dres_hs, dx_hs = head_strides
-        wdtype = weight.dtype if weight is not None else ""
-        bwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_bwd, x.dtype, wdtype, rstd is None,
+        gain_dtype, w = _gains(weight)
+        bwd = self._kernel(cpu_rmsnorm.make_cpu_rmsnorm_bwd, x.dtype, gain_dtype, rstd is None,
                            dres is not None)
+        if dres is None:        # never read: x's rows stand in
+            dres, strides, head_strides = (x, (*strides[:2], strides[1], strides[3]),
+                                           (*head_strides[:2], head_strides[1], head_strides[3]))
         groups = min(m, cpu_rmsnorm.BWD_GROUPS)
         partial = workspace((groups, n)).host
-        args = (rows_view(dy, dy_stride, dy_hs), rows_view(x, x_stride, x_hs),
-                weight.host if weight is not None else _dummy(_dtypes.FLOAT32),
-                rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
-                rows_view(dres, dres_stride, dres_hs) if dres is not None
-                else rows_view(x, x_stride, x_hs),
-                rows_view(dx, dx_stride, dx_hs), partial, np.float32(eps),
-                np.float32(weight_offset))
+        dy_v, x_v, dres_v, dx_v = (vector(info, (m // h, stride), (h, head_stride), (n, 1))
+                                   for info, stride, head_stride in
+                                   zip((dy, x, dres, dx), strides, head_strides))
+        rows = (m, n, h, *(v for pair in zip(strides, head_strides) for v in pair))
+        args = (dy_v, x_v, w, _packed(rstd), dres_v, dx_v, partial, rows,
+                np.float32(eps), np.float32(weight_offset))
         # the pool splits groups, not rows: a group's partial row is one thread's
         self.pool.run(lambda g0, g1: bwd(*args, g0, g1), groups, m * n)
         if weight is not None:
-            self._kernel(cpu_rmsnorm.make_dweight_sum, wdtype)(partial, dweight.host)
+            self._kernel(cpu_rmsnorm.make_dweight_sum, weight.dtype)(partial, dweight.host)

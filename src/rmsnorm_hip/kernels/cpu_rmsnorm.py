@@ -1,6 +1,12 @@
 """CPU row kernels (numba CPU JIT): each runs a range of rows on one thread, with the GIL released,
 so the backend spreads the rows of a large call over a pool of threads (backends/cpu.py).
 
+Every array reaches a kernel as one contiguous vector of its storage elements, from the array's
+first element on, with its strides (in elements) as integers: numba compiles a kernel once per
+argument type, and a strided view types apart from a packed one (and runs 16-bit rows two to
+three times slower), so a row is sliced from the vector (``v[start:start + n]``, contiguous)
+instead.  A kernel then has one compiled form whatever the callers' strides.
+
 A CPU row runs on one core, so the GPU's thread layout has no meaning here; the row math and the
 16-bit codecs are the same device helpers the GPU kernels use.  A row's sum of squares is kept in
 eight interleaved float32 partial sums combined pairwise, a fixed order that depends on N only.
@@ -109,52 +115,56 @@ def make_scale(intr, dtype, weight_dtype, xscale_dtype=""):
 
 
 def make_cpu_rmsnorm_fwd(intr, dtype, weight_dtype):
-    """fwd(x (M, N), weight (N,), y (M, N), rstd (M,), eps, weight_offset, store_rstd, lo, hi):
-    rows lo to hi, in storage dtypes; rows may be strided."""
+    """fwd(x, weight, y, rstd, rows, eps, weight_offset, store_rstd, lo, hi): rows lo to hi, in
+    storage dtypes; ``rows`` = (n, heads, x stride, x head stride, y stride, y head stride): row
+    i at (i // heads) * stride + (i % heads) * head stride (heads = 1: rows at one stride)."""
     encode = codec(intr, dtype)[1]
     row_sumsq = make_row_sumsq(intr, dtype)
     scale = make_scale(intr, dtype, weight_dtype)
 
     @numba.njit(nogil=True, error_model="numpy")
-    def rmsnorm_fwd(x, weight, y, rstd, eps, weight_offset, store_rstd, lo, hi):
-        n = x.shape[1]
+    def rmsnorm_fwd(x, weight, y, rstd, rows, eps, weight_offset, store_rstd, lo, hi):
+        n, heads, sx, hx, sy, hy = rows
         for i in range(lo, hi):
-            row = x[i]
+            t, k = i // heads, i % heads
+            row = x[t * sx + k * hx:t * sx + k * hx + n]
+            out = y[t * sy + k * hy:t * sy + k * hy + n]
             r = float32(1.0) / np.sqrt(row_sumsq(row, n) / float32(n) + eps)
             if store_rstd:
                 rstd[i] = r
             for j in range(n):
-                y[i, j] = encode(scale(row, j, r, weight, weight, weight_offset))
+                out[j] = encode(scale(row, j, r, weight, weight, weight_offset))
 
     return rmsnorm_fwd
 
 
 def make_normalised_row(intr, dtype, has_residual):
-    """normalised_row(x, residual, residual_out, i, eps) -> (h, rstd) of row i: h = x, or
-    round(x + residual) written to residual_out first (and read back as stored)."""
+    """normalised_row(x, residual, residual_out, n, eps) -> (h, rstd) of one row (each argument
+    the row's n elements): h = x, or round(x + residual) written to residual_out first (and
+    read back as stored)."""
     decode, encode, _ = codec(intr, dtype)
     row_sumsq = make_row_sumsq(intr, dtype)
 
     @intr.jitable
-    def normalised_row(x, residual, residual_out, i, eps):
-        n = x.shape[1]
-        h = x[i]
+    def normalised_row(x, residual, residual_out, n, eps):
+        h = x
         if has_residual:
             for j in range(n):
-                residual_out[i, j] = encode(decode(x[i, j]) + decode(residual[i, j]))
-            h = residual_out[i]
+                residual_out[j] = encode(decode(x[j]) + decode(residual[j]))
+            h = residual_out
         return h, float32(1.0) / np.sqrt(row_sumsq(h, n) / float32(n) + eps)
 
     return normalised_row
 
 
 def make_cpu_fused_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dtype):
-    """fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, eps, weight_offset,
+    """fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, rows, eps, weight_offset,
     store_rstd, lo, hi): rows lo to hi, the forward's fused switches (see kernels/rmsnorm_fwd.py)
-    on (M, N) storage views, rows may be strided.  A row is one pass writing h = round(x +
-    residual) to residual_out (which may be residual), then rms_norm's row over h as stored;
-    quantised rows take max|y| in a pass before the one that writes q.  Each element is read
-    before it is written, so y may be x and residual_out residual."""
+    on storage vectors; ``rows`` = (n, x, residual, y, residual_out row strides).  A row is one
+    pass writing h = round(x + residual) to residual_out (which may be residual), then
+    rms_norm's row over h as stored; quantised rows take max|y| in a pass before the one that
+    writes q.  Each element is read before it is written, so y may be x and residual_out
+    residual."""
     decode, encode, _ = codec(intr, dtype)
     encode_q = codec(intr, quant)[1] if quant else encode
     qmax = float32(_dtypes.QMAX[quant]) if quant else float32(1.0)
@@ -163,11 +173,13 @@ def make_cpu_fused_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dt
     max_nan = intr.max_nan
 
     @numba.njit(nogil=True, error_model="numpy")
-    def fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, eps, weight_offset,
-                  store_rstd, lo, hi):
-        n = x.shape[1]
+    def fused_fwd(x, residual, weight, xscale, y, residual_out, rstd, yscale, rows, eps,
+                  weight_offset, store_rstd, lo, hi):
+        n, sx, sr, sy, so = rows
         for i in range(lo, hi):
-            h, r = normalised_row(x, residual, residual_out, i, eps)
+            out = y[i * sy:i * sy + n]
+            h, r = normalised_row(x[i * sx:i * sx + n], residual[i * sr:i * sr + n],
+                                  residual_out[i * so:i * so + n], n, eps)
             if store_rstd:
                 rstd[i] = r
             if quant:
@@ -179,21 +191,22 @@ def make_cpu_fused_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dt
                 inv = float32(1.0) / s
                 if inv <= float32(3.4028235e38):
                     for j in range(n):
-                        y[i, j] = encode_q(scale(h, j, r, weight, xscale, weight_offset) * inv)
+                        out[j] = encode_q(scale(h, j, r, weight, xscale, weight_offset) * inv)
                 else:           # a subnormal yscale, whose reciprocal overflows: divide
                     for j in range(n):
-                        y[i, j] = encode_q(scale(h, j, r, weight, xscale, weight_offset) / s)
+                        out[j] = encode_q(scale(h, j, r, weight, xscale, weight_offset) / s)
             else:
                 for j in range(n):
-                    y[i, j] = encode(scale(h, j, r, weight, xscale, weight_offset))
+                    out[j] = encode(scale(h, j, r, weight, xscale, weight_offset))
 
     return fused_fwd
 
 def make_cpu_quant_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dtype, scaling,
                        group):
-    """fwd(x, residual, weight, xscale, q, residual_out, scales, eps, weight_offset, lo, hi):
-    the quantised forward with scales per ``group`` columns ("group", "ue8m0", "mx") or a static
-    scale (``scales[0, 0]``), rows lo to hi (see kernels/rmsnorm_fwd.py, FwdSpec.scaling).  The
+    """fwd(x, residual, weight, xscale, q, residual_out, scales, rows, eps, weight_offset, lo,
+    hi): the quantised forward with scales per ``group`` columns ("group", "ue8m0", "mx") or a
+    static scale (``scales[0]``), rows lo to hi; ``rows`` = (n, x, residual, q, residual_out row
+    strides, the scales' row and column strides) (see kernels/rmsnorm_fwd.py, FwdSpec.scaling).  The
     scale of a group and its factors are the GPU kernels' (_rowops.make_group_scale); y is formed
     as in make_cpu_fused_fwd.  fp4 q holds two elements a byte, element 2i in the low nibble."""
     decode, encode, _ = codec(intr, dtype)
@@ -214,30 +227,32 @@ def make_cpu_quant_fwd(intr, dtype, weight_dtype, has_residual, quant, xscale_dt
         return encode_q((v * pre) * inv)
 
     @numba.njit(nogil=True, error_model="numpy")
-    def quant_fwd(x, residual, weight, xscale, q, residual_out, scales, eps, weight_offset, lo,
-                  hi):
-        n = x.shape[1]
+    def quant_fwd(x, residual, weight, xscale, q, residual_out, scales, rows, eps, weight_offset,
+                  lo, hi):
+        n, sx, sr, sq, so, ss, sg = rows
         size = n if static else group
         for i in range(lo, hi):
-            h, r = normalised_row(x, residual, residual_out, i, eps)
+            h, r = normalised_row(x[i * sx:i * sx + n], residual[i * sr:i * sr + n],
+                                  residual_out[i * so:i * so + n], n, eps)
+            qi = i * sq
             for g0 in range(0, n, size):
                 if static:
-                    _, inv, pre = scale_of(scales[0, 0])
+                    _, inv, pre = scale_of(scales[0])
                 else:
                     amax = float32(0.0)
                     for j in range(g0, g0 + size):
                         amax = max_nan(amax, abs(scale(h, j, r, weight, xscale, weight_offset)))
                     stored, inv, pre = scale_of(amax)
-                    scales[i, g0 // size] = stored
+                    scales[i * ss + (g0 // size) * sg] = stored
                 if fp4:
                     for j in range(g0, g0 + size, 2):
                         lo_bits = level(scale(h, j, r, weight, xscale, weight_offset), inv, pre)
                         hi_bits = level(scale(h, j + 1, r, weight, xscale, weight_offset), inv,
                                         pre)
-                        q[i, j // 2] = lo_bits | (hi_bits << 4)
+                        q[qi + j // 2] = lo_bits | (hi_bits << 4)
                 else:
                     for j in range(g0, g0 + size):
-                        q[i, j] = level(scale(h, j, r, weight, xscale, weight_offset), inv, pre)
+                        q[qi + j] = level(scale(h, j, r, weight, xscale, weight_offset), inv, pre)
 
     return quant_fwd
 
@@ -251,11 +266,11 @@ def bwd_group_rows(m, groups, g):
 
 
 def make_cpu_rmsnorm_bwd(intr, dtype, weight_dtype, recompute_rstd, has_dres):
-    """bwd(dy, x, weight, rstd, dres, dx, partial (G, N) float32, eps, weight_offset, g0, g1):
-    dx row by row for the rows of groups g0 to g1, and each group's dweight partial row (the sum
-    of its rows' dy * x_hat; :func:`make_dweight_sum` adds the partial rows in group order).
-    The row-strided arrays are (T, H, N) views, row i at [i // H, i % H] (H = 1 for rows at one
-    stride)."""
+    """bwd(dy, x, weight, rstd, dres, dx, partial (G, N) float32, rows, eps, weight_offset, g0,
+    g1): dx row by row for the rows of groups g0 to g1 of M, and each group's dweight partial row
+    (the sum of its rows' dy * x_hat; :func:`make_dweight_sum` adds the partial rows in group
+    order).  ``rows`` = (M, N, H, then the (stride, head stride) of dy, x, dres and dx): row i
+    at (i // H) * stride + (i % H) * head stride (H = 1 for rows at one stride)."""
     decode, encode, _ = codec(intr, dtype)
     decode_w = codec(intr, weight_dtype or _dtypes.FLOAT32)[0]
     has_weight = bool(weight_dtype)
@@ -271,16 +286,18 @@ def make_cpu_rmsnorm_bwd(intr, dtype, weight_dtype, recompute_rstd, has_dres):
     row_dot = make_lane_sum(intr, x_times_wdy)
 
     @numba.njit(nogil=True, error_model="numpy")
-    def rmsnorm_bwd(dy, x, weight, rstd, dres, dx, partial, eps, weight_offset, g0, g1):
-        t, h, n = x.shape
-        m = t * h
+    def rmsnorm_bwd(dy, x, weight, rstd, dres, dx, partial, rows, eps, weight_offset, g0, g1):
+        m, n, h, s_dy, h_dy, s_x, h_x, s_dr, h_dr, s_dx, h_dx = rows
         groups = partial.shape[0]
         for g in range(g0, g1):
             for j in range(n):
                 partial[g, j] = float32(0.0)
             for i in range(g * m // groups, (g + 1) * m // groups):
-                xi, dyi, dxi = x[i // h, i % h], dy[i // h, i % h], dx[i // h, i % h]
-                dri = dres[i // h, i % h]
+                t, k = i // h, i % h
+                xi = x[t * s_x + k * h_x:t * s_x + k * h_x + n]
+                dyi = dy[t * s_dy + k * h_dy:t * s_dy + k * h_dy + n]
+                dxi = dx[t * s_dx + k * h_dx:t * s_dx + k * h_dx + n]
+                dri = dres[t * s_dr + k * h_dr:t * s_dr + k * h_dr + n]
                 if recompute_rstd:
                     r = float32(1.0) / np.sqrt(row_sumsq(xi, n) / float32(n) + eps)
                 else:
@@ -319,8 +336,9 @@ def make_dweight_sum(intr, weight_dtype):
 
 
 def make_cpu_qk_norm(intr, dtype, weight_dtype, rope, cache_dtype):
-    """qk(q, k, q_weight, k_weight, q_out, k_out, positions, cache, rot, eps, weight_offset, lo,
-    hi): tokens lo to hi of q (T, Hq, D) and k (T, Hk, D) (any strides), each head row as
+    """qk(q, k, q_weight, k_weight, q_out, k_out, positions, cache, heads, eps, weight_offset, lo,
+    hi): tokens lo to hi of q (T, Hq, D) and k (T, Hk, D); ``heads`` = (D, Hq, Hk, the (token,
+    head) strides of q, k, q_out and k_out, the cache's row stride, rot).  Each head row as
     rms_norm's row, then RoPE (``rope``: "neox" | "gptj" | "") over its first ``rot`` elements
     in float32 with the GPU kernel's operations (kernels/qk_norm.py), then one rounding.  The row
     is read whole before it is written, so q_out may be q and k_out k.  Positions are checked by
@@ -335,6 +353,7 @@ def make_cpu_qk_norm(intr, dtype, weight_dtype, rope, cache_dtype):
     @numba.njit(nogil=True, error_model="numpy")
     def head(src, dst, weight, pos, cache, rot, eps, weight_offset, vals):
         n = src.shape[0]
+        c0 = pos[0] * pos[1]            # (position, cache row stride): the row's cos at c0
         r = float32(1.0) / np.sqrt(row_sumsq(src, n) / float32(n) + eps)
         for j in range(n):
             vals[j] = (decode(src[j]) * r) * (decode_w(weight[j]) + weight_offset)
@@ -342,13 +361,13 @@ def make_cpu_qk_norm(intr, dtype, weight_dtype, rope, cache_dtype):
             half = rot // 2
             if neox:
                 for i in range(half):
-                    c, s = decode_c(cache[pos, i]), decode_c(cache[pos, half + i])
+                    c, s = decode_c(cache[c0 + i]), decode_c(cache[c0 + half + i])
                     a, b = vals[i], vals[i + half]
                     vals[i] = fma(a, c, -(b * s))
                     vals[i + half] = fma(b, c, a * s)
             else:
                 for i in range(half):
-                    c, s = decode_c(cache[pos, i]), decode_c(cache[pos, half + i])
+                    c, s = decode_c(cache[c0 + i]), decode_c(cache[c0 + half + i])
                     a, b = vals[2 * i], vals[2 * i + 1]
                     vals[2 * i] = fma(a, c, -(b * s))
                     vals[2 * i + 1] = fma(b, c, a * s)
@@ -356,22 +375,28 @@ def make_cpu_qk_norm(intr, dtype, weight_dtype, rope, cache_dtype):
             dst[j] = encode(vals[j])
 
     @numba.njit(nogil=True, error_model="numpy")
-    def qk_norm(q, k, q_weight, k_weight, q_out, k_out, positions, cache, rot, eps,
+    def qk_norm(q, k, q_weight, k_weight, q_out, k_out, positions, cache, heads, eps,
                 weight_offset, lo, hi):
-        vals = np.empty(q.shape[2], np.float32)
+        d, hq, hk, sq, hsq, sk, hsk, sqo, hsqo, sko, hsko, cache_stride, rot = heads
+        vals = np.empty(d, np.float32)
         for t in range(lo, hi):
-            pos = positions[t] if rope else 0
-            for h in range(q.shape[1]):
-                head(q[t, h], q_out[t, h], q_weight, pos, cache, rot, eps, weight_offset, vals)
-            for h in range(k.shape[1]):
-                head(k[t, h], k_out[t, h], k_weight, pos, cache, rot, eps, weight_offset, vals)
+            pos = (positions[t] if rope else 0, cache_stride)
+            for h in range(hq):
+                head(q[t * sq + h * hsq:t * sq + h * hsq + d],
+                     q_out[t * sqo + h * hsqo:t * sqo + h * hsqo + d], q_weight, pos, cache, rot,
+                     eps, weight_offset, vals)
+            for h in range(hk):
+                head(k[t * sk + h * hsk:t * sk + h * hsk + d],
+                     k_out[t * sko + h * hsko:t * sko + h * hsko + d], k_weight, pos, cache, rot,
+                     eps, weight_offset, vals)
 
     return qk_norm
 
 
 def make_cpu_gated_fwd(intr, dtype, weight_dtype, gate):
-    """fwd(x, z, weight, y, rstd, eps, weight_offset, store_rstd, lo, hi): rows lo to hi of
-    (M, H, G) views (a row's H groups of G columns; H = 1 without groups), gated RMSNorm in
+    """fwd(x, z, weight, y, rstd, rows, eps, weight_offset, store_rstd, lo, hi): rows lo to hi
+    of M rows of H groups of G columns (H = 1 without groups; ``rows`` = (H, G, then the
+    (stride, group stride) of x, z and y), gated RMSNorm in
     float32 with the GPU kernel's operations: ``gate`` "input" normalises h = x * silu(z),
     "output" multiplies y by silu(z); group i takes weight[i * G:]; rstd (M * H,)."""
     decode, encode, _ = codec(intr, dtype)
@@ -397,11 +422,13 @@ def make_cpu_gated_fwd(intr, dtype, weight_dtype, gate):
     row_sumsq = make_lane_sum(intr, square)
 
     @numba.njit(nogil=True, error_model="numpy")
-    def gated_fwd(x, z, weight, y, rstd, eps, weight_offset, store_rstd, lo, hi):
-        groups, g = x.shape[1], x.shape[2]
+    def gated_fwd(x, z, weight, y, rstd, rows, eps, weight_offset, store_rstd, lo, hi):
+        groups, g, sx, hx, sz, hz, sy, hy = rows
         for i in range(lo, hi):
             for k in range(groups):
-                xr, zr, yr = x[i, k], z[i, k], y[i, k]
+                xr = x[i * sx + k * hx:i * sx + k * hx + g]
+                zr = z[i * sz + k * hz:i * sz + k * hz + g]
+                yr = y[i * sy + k * hy:i * sy + k * hy + g]
                 r = float32(1.0) / np.sqrt(row_sumsq(xr, zr, xr, float32(0.0), g) / float32(g)
                                            + eps)
                 if store_rstd:
@@ -418,9 +445,11 @@ def make_cpu_gated_fwd(intr, dtype, weight_dtype, gate):
 
 
 def make_cpu_gated_bwd(intr, dtype, weight_dtype, recompute_rstd, gate):
-    """bwd(dy, x, z, weight, rstd, dx, dz, partial (P, N) float32, eps, weight_offset, p0, p1):
-    the gated backward (kernels/gated_bwd.py's formulas, in float32) of the full rows of row
-    groups p0 to p1 of (M, H, G) views, each group's dweight partial row over its rows
+    """bwd(dy, x, z, weight, rstd, dx, dz, partial (P, N) float32, rows, eps, weight_offset, p0,
+    p1): the gated backward (kernels/gated_bwd.py's formulas, in float32) of the full rows of
+    row groups p0 to p1 of M rows of H groups of G columns (``rows`` = (M, H, G, the row strides
+    of dy, x, z, dx and dz; a group at G past the one before)), each group's dweight partial row
+    over its rows
     (:func:`make_dweight_sum` adds them in order); rstd (M * H,)."""
     decode, encode, _ = codec(intr, dtype)
     decode_w = codec(intr, weight_dtype or _dtypes.FLOAT32)[0]
@@ -434,8 +463,8 @@ def make_cpu_gated_bwd(intr, dtype, weight_dtype, recompute_rstd, gate):
     row_dot = make_lane_sum(intr, product)
 
     @numba.njit(nogil=True, error_model="numpy")
-    def gated_bwd(dy, x, z, weight, rstd, dx, dz, partial, eps, weight_offset, p0, p1):
-        m, groups, g = x.shape
+    def gated_bwd(dy, x, z, weight, rstd, dx, dz, partial, rows, eps, weight_offset, p0, p1):
+        m, groups, g, s_dy, s_x, s_z, s_dx, s_dz = rows
         parts = partial.shape[0]
         sg = np.empty(g, np.float32)
         gv = np.empty(g, np.float32)
@@ -445,11 +474,14 @@ def make_cpu_gated_bwd(intr, dtype, weight_dtype, recompute_rstd, gate):
                 partial[p, j] = float32(0.0)
             for i in range(p * m // parts, (p + 1) * m // parts):
                 for k in range(groups):
+                    # the group's first element in each array
+                    bz, bx, bdy = i * s_z + k * g, i * s_x + k * g, i * s_dy + k * g
+                    bdx, bdz = i * s_dx + k * g, i * s_dz + k * g
                     for j in range(g):
-                        zv = decode(z[i, k, j])
+                        zv = decode(z[bz + j])
                         sg[j] = zv / (float32(1.0) + np.exp(-zv))
-                        v = decode(x[i, k, j]) * sg[j] if gated_input else decode(x[i, k, j])
-                        d = decode(dy[i, k, j])
+                        v = decode(x[bx + j]) * sg[j] if gated_input else decode(x[bx + j])
+                        d = decode(dy[bdy + j])
                         if not gated_input:
                             d = d * sg[j]
                         if has_weight:
@@ -464,24 +496,24 @@ def make_cpu_gated_bwd(intr, dtype, weight_dtype, recompute_rstd, gate):
                         r = rstd[i * groups + k]
                     c = sxg * r / float32(g)
                     for j in range(g):
-                        zv = decode(z[i, k, j])
+                        zv = decode(z[bz + j])
                         sgm = float32(1.0) / (float32(1.0) + np.exp(-zv))
                         dsg = sgm * (float32(1.0) + zv * (float32(1.0) - sgm))
-                        xv = decode(x[i, k, j])
-                        d = decode(dy[i, k, j])
+                        xv = decode(x[bx + j])
+                        d = decode(dy[bdy + j])
                         w = float32(1.0)
                         if has_weight:
                             w = decode_w(weight[k * g + j]) + weight_offset
                         if gated_input:
                             h_hat = (xv * sg[j]) * r
                             dh = (gv[j] - h_hat * c) * r
-                            dx[i, k, j] = encode(dh * sg[j])
-                            dz[i, k, j] = encode((dh * xv) * dsg)
+                            dx[bdx + j] = encode(dh * sg[j])
+                            dz[bdz + j] = encode((dh * xv) * dsg)
                             partial[p, k * g + j] += d * h_hat
                         else:
                             x_hat = xv * r
-                            dx[i, k, j] = encode((gv[j] - x_hat * c) * r)
-                            dz[i, k, j] = encode((d * (x_hat * w)) * dsg)
+                            dx[bdx + j] = encode((gv[j] - x_hat * c) * r)
+                            dz[bdz + j] = encode((d * (x_hat * w)) * dsg)
                             partial[p, k * g + j] += (d * sg[j]) * x_hat
 
     return gated_bwd
