@@ -155,3 +155,56 @@ def test_torch_compile_on_cuda():
     for a, b in zip(compiled, calls(x)):
         assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
         assert torch.equal(raw(a), raw(b))
+
+
+@pytest.mark.parametrize("name,with_residual", [("group128_fp8_ue8m0_column", False),
+                                                ("mxfp4", True), ("static_fp8", True),
+                                                ("static_int8_array", False)])
+def test_repeat_calls_take_the_runner(monkeypatch, name, with_residual):
+    """The first call of a scaled format validates and builds a repeat-call runner; repeat calls
+    with the same metadata run it: every output bitwise the validated call's, also from
+    misaligned copies (the scalar kernel, chosen per call), with a weight offset, on a side
+    stream, and (static) with another scale: a number, checked as every call checks it, or
+    another tensor, read by the kernel."""
+    from rmsnorm_hip import functional
+    monkeypatch.setattr(functional, "_fused_runners", {})
+    fmt = BY_NAME[name]
+    m, n = 32, 4096
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x) if with_residual else None
+    w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
+
+    def call(x, r, offset=0.0, **kwargs):
+        return rmsnorm_hip.rms_norm_quant(x, w, 1e-6, residual=r, weight_offset=offset,
+                                          **{**kwargs_on_gpu(fmt), **kwargs})
+
+    def same(got, expected, what):
+        got, expected = (t if isinstance(t, tuple) else (t,) for t in (got, expected))
+        assert len(got) == len(expected), what
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), what
+            assert torch.equal(raw(a), raw(b)), f"{name} output {i}, {what}"
+
+    first = call(x, r)
+    assert len(functional._fused_runners) == 1, "the validated call builds one runner"
+    same(call(x, r), first, "repeat")
+    odd = [None if t is None else shifted_copy(t) for t in (x, r)]
+    same(call(*odd), first, "misaligned")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        side = call(x, r)
+    stream.synchronize()
+    same(side, first, "side stream")
+    offset = call(x, r, 0.5)
+    number = "scale" in fmt.kwargs and not hasattr(fmt.kwargs["scale"], "shape")
+    other = 0.03125 if number else torch.tensor([0.03125], device="cuda")
+    other_scale = call(x, r, scale=other) if "scale" in fmt.kwargs else None
+    assert len(functional._fused_runners) == 1, "repeat calls add no runner"
+    if number:
+        with pytest.raises(ValueError, match="scale must be a positive finite"):
+            call(x, r, scale=-1.0)
+    functional._fused_runners.clear()
+    same(offset, call(x, r, 0.5), "weight offset 0.5 vs the validated call")
+    if other_scale is not None:
+        functional._fused_runners.clear()
+        same(other_scale, call(x, r, scale=other), "another scale vs the validated call")

@@ -565,6 +565,56 @@ def test_sim_paths(rng, monkeypatch, name, shape, dtype, path):
 
 
 @pytest.mark.sim
+@pytest.mark.parametrize("name,offset,with_residual", [
+    ("group64_int8_column", 0.5, False), ("mxfp4", 0.0, True), ("static_fp8", 0.5, True),
+    ("static_int8_array", 0.0, False)])
+def test_sim_runner_gives_the_validated_bits(rng, monkeypatch, name, offset, with_residual):
+    """The scaled formats' repeat-call runner (_quant.runner over
+    GpuBackend.quant_scaled_launcher) run by the simulator: every output bitwise the validated
+    call's, column-major scales, fp4 pairs and static scales (a number, an array) included.
+    Rows at a stride of N + 1 bf16 elements are no multiple of 16 bytes: the scalar kernel,
+    taken without reading the pointers' alignment (the runner gets the wide buffers, as a
+    device runner gets pointers)."""
+    from conftest import HostIO
+
+    from rmsnorm_hip import _arrays, _dtypes, _quant
+    fmt = BY_NAME[name]
+    be = _sim(monkeypatch)
+    m, n = 5, 128
+    wide_x = make_x(rng, (m, n + 1), BFLOAT16)
+    wide_r = make_x(rng, (m, n + 1), BFLOAT16) if with_residual else None
+    x, residual = wide_x[:, :n], (wide_r[:, :n] if with_residual else None)
+    w = random_array(rng, n, BFLOAT16, loc=1.0, scale=0.1)
+    kwargs = dict(fmt.kwargs)
+    quant = kwargs.pop("quant_dtype")
+    expected = rms_norm_quant(x, w, 1e-6, residual=residual, weight_offset=offset,
+                              quant_dtype=quant, **kwargs)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    layout, group_size = kwargs.get("scale_layout", "row"), kwargs.get("group_size")
+    scaling, group = _quant.scheme("t", quant, n, group_size, kwargs.get("scale_format",
+                                                                         "float32"),
+                                   layout, kwargs.get("scale"))
+    mx = quant in _dtypes.MX_DTYPES
+    q_shape = (m, n // 2) if quant == _dtypes.MXFP4 else (m, n)
+    scale_strides = ((0, 0) if scaling == "static" else
+                     (1, -(-m // _quant.COLUMN_PAD) * _quant.COLUMN_PAD) if layout == "column"
+                     else (n // group, 1))
+    run = _quant.runner(be, HostIO(), (m, n), q_shape, _dtypes.UINT8 if mx else quant, m, n,
+                        (n + 1, n + 1, q_shape[1], n), scale_strides, BFLOAT16,
+                        _arrays.describe(w, "weight", None, "t"), None, with_residual, quant,
+                        scaling, group, layout, "t",
+                        static_array=hasattr(kwargs.get("scale"), "shape"))
+    got = run(wide_x, wide_r, w, None, 1e-6, offset, kwargs.get("scale"))
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        a, b = np.asarray(_host(a)), np.asarray(_host(b))
+        assert a.shape == b.shape, (i, a.shape, b.shape)
+        assert_bitwise(a.view(np.uint8) if a.dtype.itemsize == 1 else a,
+                       b.view(np.uint8) if b.dtype.itemsize == 1 else b, f"{name} output {i}")
+
+
+@pytest.mark.sim
 def test_sim_batch_invariant(rng, monkeypatch):
     """Rows alone and in a batch on the streamed kernel (a program walks several rows): bitwise
     the same q and group scales."""

@@ -28,9 +28,10 @@ def wants_scaled(quant, group_size, scale_format, scale_layout, scale):
 
 
 def rms_norm_quant_scaled(fn, x, weight, eps, xscale, residual, quant, weight_offset, group_size,
-                          scale_format, scale_layout, scale, dtype):
+                          scale_format, scale_layout, scale, dtype, plan_key=None):
     """rms_norm_quant with group scales, a static scale or an MX format: (q, scales) or
-    (q, scales, residual_out); static: q or (q, residual_out)."""
+    (q, scales, residual_out); static: q or (q, residual_out).  With a ``plan_key`` (torch /
+    CuPy device arrays), the call's repeat-call runner is kept under it (:func:`runner`)."""
     from .functional import _rows_of_x, _vector_arg
     reinterpret, xi, m, n, x_stride = _rows_of_x(x, dtype, fn)
     scaling, group = scheme(fn, quant, n, group_size, scale_format, scale_layout, scale)
@@ -67,14 +68,59 @@ def rms_norm_quant_scaled(fn, x, weight, eps, xscale, residual, quant, weight_of
         backend.rms_norm_quant_fwd(xi, ri, wi, si, qi, roi, scales_i, m, n, strides,
                                    scale_strides, eps, weight_offset, quant, scaling, group,
                                    scale_value)
-    q = _torch_view(qi.result(), "q" + quant)
-    out = (q,)
-    if not static:
-        out += ((scales if scale_layout == "column" else
-                 _torch_view(scales_i.result(), "scales" if scaling == "mx" else "")),)
-    if roi is not None:
-        out += (roi.result(),)
+    if plan_key is not None and hasattr(backend, "quant_scaled_launcher"):
+        from .functional import _fused_runners, _keep_runner
+        _keep_runner(_fused_runners, plan_key, runner(
+            backend, _arrays.FastIO(xi), xi.shape, q_shape, q_dtype, m, n, strides,
+            scale_strides, xi.dtype, wi, si, ri is not None, quant, scaling, group,
+            scale_layout, fn, static_array=static and scales_i is not None))
+    return _outputs(qi.result(), None if static else (
+        scales if scale_layout == "column" else scales_i.result()),
+        roi.result() if roi is not None else None, quant, scaling)
+
+
+def _outputs(q, scales, residual_out, quant, scaling):
+    """The call's return value: q, its scales unless static, residual_out when given; torch
+    callers' MX outputs in torch's own dtypes."""
+    out = (_torch_view(q, "q" + quant),)
+    if scales is not None:
+        out += (_torch_view(scales, "scales" if scaling == "mx" else ""),)
+    if residual_out is not None:
+        out += (residual_out,)
     return out[0] if len(out) == 1 else out
+
+
+def runner(backend, io, shape, q_shape, q_dtype, m, n, strides, scale_strides, dtype, wi, si,
+           has_residual, quant, scaling, group, scale_layout, fn, static_array=False):
+    """``run(x, residual, weight, xscale, eps, weight_offset, scale)`` for repeat calls of a
+    scaled format with this metadata: the kernels, output shapes and strides are decided here,
+    once.  A static scale given as a number is still checked every call; one given as an array
+    (``static_array``: its metadata is in the runner's key) is read by the kernel."""
+    launch = backend.quant_scaled_launcher(
+        io, m, n, strides, scale_strides, dtype, wi.dtype if wi is not None else "",
+        si.dtype if si is not None else "", has_residual, quant, scaling, group)
+    static = scaling == "static"
+    alloc_q = io.allocator(q_shape, q_dtype)
+    alloc_ro = io.like_allocator(shape, dtype, strides[0] == n) if has_residual else None
+    alloc_scales = None
+    if not static:
+        scale_dtype = _dtypes.UINT8 if scaling == "mx" else _dtypes.FLOAT32
+        column = scale_layout == "column"
+        alloc_scales = io.allocator((n // group, scale_strides[1]) if column else (m, n // group),
+                                    scale_dtype)
+
+    def run(x, residual, weight, xscale, eps, weight_offset, scale):
+        value = scale_number(scale, fn) if static and not static_array else 0.0
+        q = alloc_q()
+        residual_out = alloc_ro(x) if alloc_ro is not None else None
+        buffer = alloc_scales() if alloc_scales is not None else None
+        if m:
+            launch(x, residual, weight, xscale, q, residual_out,
+                   scale if static_array else buffer, eps, weight_offset, value)
+        scales = None if buffer is None else (buffer[:, :m].T if column else buffer)
+        return _outputs(q, scales, residual_out, quant, scaling)
+
+    return run
 
 
 def scheme(fn, quant, n, group_size, scale_format, scale_layout, scale):

@@ -269,10 +269,21 @@ def rms_norm_quant(x, weight=None, eps=1e-6, *, xscale=None, residual=None, quan
     fn = "rms_norm_quant"
     key = None
     if _quant.wants_scaled(quant_dtype, group_size, scale_format, scale_layout, scale):
+        static_number = _quant.is_number(scale)
+        if dtype is None and all(type(a).__hash__ is not None
+                                 for a in (quant_dtype, scale_format, scale_layout)):
+            # the argument types key too: 128.0 for group_size must meet full validation
+            key = _arrays.fast_key(x, weight, (
+                fn, quant_dtype, group_size, type(group_size), scale_format, type(scale_format),
+                scale_layout, type(scale_layout), static_number, _backend_env()),
+                (residual, xscale) + ((scale,) if not static_number else ()))
+            run = _runner(_fused_runners, key, eps, weight_offset, weight)
+            if run is not None:
+                return run(x, residual, weight, xscale, eps, weight_offset, scale)
         quant = _validate.quant_dtype(quant_dtype, fn)
         return _quant.rms_norm_quant_scaled(fn, x, weight, eps, xscale, residual, quant,
                                             weight_offset, group_size, scale_format,
-                                            scale_layout, scale, dtype)
+                                            scale_layout, scale, dtype, plan_key=key)
     if dtype is None and type(quant_dtype).__hash__ is not None:
         key = _arrays.fast_key(x, weight, (fn, quant_dtype, _backend_env()),
                                (residual, xscale))

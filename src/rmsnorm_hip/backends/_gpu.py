@@ -269,33 +269,78 @@ class GpuBackend:
             pointers |= info.ptr if info is not None else 0
         vector = (self._rows_aligned(n, x.dtype, (x_stride, r_stride, ro_stride))
                   and not pointers & _ALIGN_MASK)
-        has_residual = residual is not None
-        key = ("scaled", n, x.dtype, weight.dtype if weight is not None else "", vector,
-               has_residual, quant, xscale.dtype if xscale is not None else "",
-               weight_offset != 0.0,
-               vector and _config.fwd_stream(self.vendor, has_residual, quant, m, self.sm_count),
-               scaling, group)
-        plan = self._plans.get(key)
-        if plan is None:
-            spec = _config.fwd_spec(*key[1:4], vector, False, *key[5:10], vendor=self.vendor,
-                                    scaling=scaling, group=group)
-            kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
-            threads = spec.layout.threads * spec.rows
-            per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
-            plan = self._plans[key] = (spec, kernel, (spec.layout.threads, spec.rows, 1), per_sm)
-        spec, kernel, block, per_sm = plan
+        key = self._scaled_key(m, n, x.dtype, weight.dtype if weight is not None else "",
+                               vector, residual is not None, quant,
+                               xscale.dtype if xscale is not None else "", weight_offset != 0.0,
+                               scaling, group)
+        kernel, grid, block = self._scaled_launch_shape(key, m)
         f32 = _dtypes.FLOAT32
         args = fused_args(self.arg(x, x.dtype), self.arg(residual, x.dtype),
                           self.arg(weight, f32), self.arg(xscale, f32), self.arg(q, q.dtype),
                           self.arg(residual_out, x.dtype), self.arg(None, f32),
                           self.arg(scales, _dtypes.UINT8 if scaling == "mx" else f32), m,
                           strides, eps, weight_offset)
-        if scaling in _config.GROUP_SCALINGS:
-            args += tuple(scale_strides)
-        elif scaling == "static":
-            args += (scale_value,)
-        grid = (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1)
-        self.launch(kernel, grid, block, args, self.stream_for(x))
+        self.launch(kernel, grid, block, args + _scaled_tail(scaling, scale_strides, scale_value),
+                    self.stream_for(x))
+
+    def _scaled_key(self, m, n, dtype, weight_dtype, vector, has_residual, quant, xscale_dtype,
+                    offset, scaling, group):
+        """The plan key of a scaled quantised forward (fwd_spec's arguments)."""
+        return (n, dtype, weight_dtype, vector, False, has_residual, quant, xscale_dtype, offset,
+                vector and _config.fwd_stream(self.vendor, has_residual, quant, m,
+                                              self.sm_count), scaling, group)
+
+    def _scaled_launch_shape(self, key, m):
+        """(kernel, grid, block) of a scaled quantised forward's key for m rows."""
+        plan = self._plans.get(("scaled",) + key)
+        if plan is None:
+            spec = _config.fwd_spec(*key[:10], vendor=self.vendor, scaling=key[10],
+                                    group=key[11])
+            kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
+            threads = spec.layout.threads * spec.rows
+            per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
+            plan = self._plans[("scaled",) + key] = (spec, kernel,
+                                                     (spec.layout.threads, spec.rows, 1), per_sm)
+        spec, kernel, block, per_sm = plan
+        return kernel, (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1), block
+
+    def quant_scaled_launcher(self, io, m, n, strides, scale_strides, dtype, weight_dtype,
+                              xscale_dtype, has_residual, quant, scaling, group):
+        """``launch(x, residual, weight, xscale, q, residual_out, scales, eps, weight_offset,
+        scale_value)`` (library arrays, absent ones None; outputs allocated by the caller) for
+        repeat calls of the scaled quantised forward with this metadata: the kernels, grids
+        and argument layout are decided here, once; per call, the pointers' alignment picks
+        the vector or the scalar kernel."""
+        x_stride, r_stride, _, ro_stride = strides
+        strides_ok = self._rows_aligned(n, dtype, (x_stride, r_stride, ro_stride))
+        keys = {(vector, offset): self._scaled_key(m, n, dtype, weight_dtype, vector,
+                                                   has_residual, quant, xscale_dtype, offset,
+                                                   scaling, group)
+                for vector in ((False, True) if strides_ok else (False,))
+                for offset in (False, True)}
+        shapes = {}     # kernels compiled as calls first need them
+        tail = tuple(scale_strides) if scaling in _config.GROUP_SCALINGS else ()
+        static = scaling == "static"
+        mask = _ALIGN_MASK if strides_ok else 0
+        ptr, stream, launch = io.ptr, io.stream, self.launch
+
+        def run(x, residual, weight, xscale, q, residual_out, scales, eps, weight_offset,
+                scale_value):
+            pointers = (ptr(x), 0 if residual is None else ptr(residual),
+                        0 if weight is None else ptr(weight),
+                        0 if xscale is None else ptr(xscale), ptr(q),
+                        0 if residual_out is None else ptr(residual_out))
+            aligned = bool(mask) and not (pointers[0] | pointers[1] | pointers[2] | pointers[3]
+                                          | pointers[4] | pointers[5]) & mask
+            which = (aligned, weight_offset != 0.0)
+            kernel, grid, block = shapes.get(which) or shapes.setdefault(
+                which, self._scaled_launch_shape(keys[which], m))
+            args = fused_args(*pointers, 0, 0 if scales is None else ptr(scales), m, strides,
+                              eps, weight_offset)
+            launch(kernel, grid, block, args + (tail + (scale_value,) if static else tail),
+                   stream())
+
+        return run
 
     def fused_runner(self, io, shape, m, n, strides, dtype, weight_dtype, xscale_dtype,
                      has_residual, quant, return_rstd, in_place):
@@ -611,6 +656,14 @@ def _per_form(build):
             found = plans[vector] = build(vector)
         return found
     return plan
+
+
+def _scaled_tail(scaling, scale_strides, scale_value):
+    """The scaled quantised forward's arguments after fused_args': the scales' (row, group)
+    strides, or the static scale's value."""
+    if scaling in _config.GROUP_SCALINGS:
+        return tuple(scale_strides)
+    return (scale_value,) if scaling == "static" else ()
 
 
 def _meet(a, a_len, b, b_len):
