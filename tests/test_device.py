@@ -237,6 +237,16 @@ def shifted_copy(t):
     return out
 
 
+def on_side_stream(call):
+    """``call()`` made on a new stream, not the current one; its result once that stream is
+    done."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        result = call()
+    stream.synchronize()
+    return result
+
+
 @pytest.mark.parametrize("op", ["fused", "fused_", "quant_int8", "quant_fp8_residual"])
 def test_fused_repeat_calls_take_the_runner(monkeypatch, op):
     """The fused entry points' first call validates and builds a runner; repeat calls with the
@@ -276,11 +286,7 @@ def test_fused_repeat_calls_take_the_runner(monkeypatch, op):
     x_odd, r_odd = shifted_copy(x), shifted_copy(r)
     assert x_odd.stride() == x.stride() and x_odd.data_ptr() % 16
     same(call(x_odd, r_odd), first, "misaligned")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        side = call(x, r)
-    stream.synchronize()
-    same(side, first, "side stream")
+    same(on_side_stream(lambda: call(x, r)), first, "side stream")
     offset = call(x, r, 0.5)
     assert len(functional._fused_runners) == 1, "repeat calls add no runner"
     functional._fused_runners.clear()

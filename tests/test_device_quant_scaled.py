@@ -22,7 +22,7 @@ torch = require_cuda_torch()
 import rmsnorm_hip  # noqa: E402
 from _guard import guarded_outputs  # noqa: E402
 from rmsnorm_hip import torch as rt  # noqa: E402
-from test_device import raw, shifted_copy  # noqa: E402
+from test_device import on_side_stream, raw, shifted_copy  # noqa: E402
 from test_quant_scaled import (BY_NAME, FORMATS, check, check_guards, make_x,  # noqa: E402
                                random_array)
 
@@ -190,11 +190,7 @@ def test_repeat_calls_take_the_runner(monkeypatch, name, with_residual):
     same(call(x, r), first, "repeat")
     odd = [None if t is None else shifted_copy(t) for t in (x, r)]
     same(call(*odd), first, "misaligned")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        side = call(x, r)
-    stream.synchronize()
-    same(side, first, "side stream")
+    same(on_side_stream(lambda: call(x, r)), first, "side stream")
     offset = call(x, r, 0.5)
     number = "scale" in fmt.kwargs and not hasattr(fmt.kwargs["scale"], "shape")
     other = 0.03125 if number else torch.tensor([0.03125], device="cuda")

@@ -103,9 +103,9 @@ def runner(backend, io, shape, q_shape, q_dtype, m, n, strides, scale_strides, d
     alloc_q = io.allocator(q_shape, q_dtype)
     alloc_ro = io.like_allocator(shape, dtype, strides[0] == n) if has_residual else None
     alloc_scales = None
+    column = scale_layout == "column"
     if not static:
         scale_dtype = _dtypes.UINT8 if scaling == "mx" else _dtypes.FLOAT32
-        column = scale_layout == "column"
         alloc_scales = io.allocator((n // group, scale_strides[1]) if column else (m, n // group),
                                     scale_dtype)
 

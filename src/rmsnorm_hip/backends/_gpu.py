@@ -93,10 +93,12 @@ class GpuBackend:
         return (vector if strides_ok else None), scalar
 
     def _fwd_plan(self, key):
-        """(spec, kernel, block, blocks per SM) of a variant key as fwd_kernels gives them."""
+        """(spec, kernel, block, blocks per SM) of a variant key: fwd_spec's first ten
+        arguments as fwd_kernels gives them, then a scaled format's (scaling, group)."""
         plan = self._plans.get(key)
         if plan is None:
-            spec = _config.fwd_spec(*key, vendor=self.vendor)
+            spec = _config.fwd_spec(*key[:10], vendor=self.vendor,
+                                    **dict(zip(("scaling", "group"), key[10:])))
             kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
             threads = spec.layout.threads * spec.rows
             per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
@@ -273,7 +275,7 @@ class GpuBackend:
                                vector, residual is not None, quant,
                                xscale.dtype if xscale is not None else "", weight_offset != 0.0,
                                scaling, group)
-        kernel, grid, block = self._scaled_launch_shape(key, m)
+        kernel, grid, block = self._fwd_launch_shape(key, m)
         f32 = _dtypes.FLOAT32
         args = fused_args(self.arg(x, x.dtype), self.arg(residual, x.dtype),
                           self.arg(weight, f32), self.arg(xscale, f32), self.arg(q, q.dtype),
@@ -285,24 +287,10 @@ class GpuBackend:
 
     def _scaled_key(self, m, n, dtype, weight_dtype, vector, has_residual, quant, xscale_dtype,
                     offset, scaling, group):
-        """The plan key of a scaled quantised forward (fwd_spec's arguments)."""
+        """The plan key of a scaled quantised forward (see _fwd_plan)."""
         return (n, dtype, weight_dtype, vector, False, has_residual, quant, xscale_dtype, offset,
                 vector and _config.fwd_stream(self.vendor, has_residual, quant, m,
                                               self.sm_count), scaling, group)
-
-    def _scaled_launch_shape(self, key, m):
-        """(kernel, grid, block) of a scaled quantised forward's key for m rows."""
-        plan = self._plans.get(("scaled",) + key)
-        if plan is None:
-            spec = _config.fwd_spec(*key[:10], vendor=self.vendor, scaling=key[10],
-                                    group=key[11])
-            kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
-            threads = spec.layout.threads * spec.rows
-            per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
-            plan = self._plans[("scaled",) + key] = (spec, kernel,
-                                                     (spec.layout.threads, spec.rows, 1), per_sm)
-        spec, kernel, block, per_sm = plan
-        return kernel, (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1), block
 
     def quant_scaled_launcher(self, io, m, n, strides, scale_strides, dtype, weight_dtype,
                               xscale_dtype, has_residual, quant, scaling, group):
@@ -319,25 +307,25 @@ class GpuBackend:
                 for vector in ((False, True) if strides_ok else (False,))
                 for offset in (False, True)}
         shapes = {}     # kernels compiled as calls first need them
-        tail = tuple(scale_strides) if scaling in _config.GROUP_SCALINGS else ()
-        static = scaling == "static"
         mask = _ALIGN_MASK if strides_ok else 0
         ptr, stream, launch = io.ptr, io.stream, self.launch
 
         def run(x, residual, weight, xscale, q, residual_out, scales, eps, weight_offset,
                 scale_value):
-            pointers = (ptr(x), 0 if residual is None else ptr(residual),
-                        0 if weight is None else ptr(weight),
-                        0 if xscale is None else ptr(xscale), ptr(q),
-                        0 if residual_out is None else ptr(residual_out))
-            aligned = bool(mask) and not (pointers[0] | pointers[1] | pointers[2] | pointers[3]
-                                          | pointers[4] | pointers[5]) & mask
+            pointers = tuple(0 if a is None else ptr(a)
+                             for a in (x, residual, weight, xscale, q, residual_out))
+            aligned = False
+            if mask:
+                bits = 0
+                for pointer in pointers:
+                    bits |= pointer
+                aligned = not bits & mask
             which = (aligned, weight_offset != 0.0)
             kernel, grid, block = shapes.get(which) or shapes.setdefault(
-                which, self._scaled_launch_shape(keys[which], m))
+                which, self._fwd_launch_shape(keys[which], m))
             args = fused_args(*pointers, 0, 0 if scales is None else ptr(scales), m, strides,
                               eps, weight_offset)
-            launch(kernel, grid, block, args + (tail + (scale_value,) if static else tail),
+            launch(kernel, grid, block, args + _scaled_tail(scaling, scale_strides, scale_value),
                    stream())
 
         return run
