@@ -120,6 +120,19 @@ def test_sm90_gate_puts_evict_first_loads_where_chosen(stream_loads, cs_loads, f
     assert bool(found) == failing, found
 
 
+@pytest.mark.parametrize("streamed,div64,failing", [
+    (True, 0, False), (True, 1, True), (False, 1, False)])
+def test_sm90_gate_keeps_64bit_divisions_out_of_streamed_rows(streamed, div64, failing):
+    """The sm_90 gate fails a streamed forward kernel (FwdSpec.stream) whose PTX divides in 64
+    bits: its programs walk rows without a trip count (kernels/rmsnorm_fwd stream_rows)."""
+    from rmsnorm_hip import aot
+    record = dict(op="fwd", label="fwd:test", local_depot=False, vector=True, ld_global_v4=3,
+                  st_global_v4=3, spill_store_bytes=0, spill_load_bytes=0, streamed=streamed,
+                  div64=div64)
+    found = [p for p in aot.problems(record, "cuda") if p.startswith("streamed forward")]
+    assert bool(found) == failing, found
+
+
 @pytest.mark.parametrize("atomic,vector,red,red_v4,failing", [
     (True, True, 4, 4, False), (False, True, 0, 0, False), (True, True, 0, 0, True),
     (True, True, 8, 0, True), (False, True, 2, 2, True), (True, False, 8, 0, False)])

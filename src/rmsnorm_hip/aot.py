@@ -232,6 +232,8 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             named_barriers=len(re.findall(r"\bbar\.sync\s+[^;,]+,[^;]+;", ptx)),
             paired=bool(getattr(variant.spec, "paired", False)),
             stream_loads=bool(getattr(variant.spec, "stream_loads", False)),
+            streamed=bool(getattr(variant.spec, "stream", False)),
+            div64=len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),
             ld_global_cs=len(re.findall(r"\bld\.global\.cs\.", ptx)),
             atomic_dweight=bool(getattr(variant.spec, "atomic_dweight", False)),
             shifted_spans=shifted_spans(variant.spec),
@@ -366,6 +368,10 @@ def problems(record, target):
             out.append("vector path without ld/st.global.v4")
         if record.get("vector") and record.get("st_global_byte") and not byte_scales(record):
             out.append("vector path stores bytes one by one")
+        if record.get("streamed") and record.get("div64"):
+            # a streamed program's whole call at decode sizes is one row: a 64-bit division
+            # (a subroutine of some 40 dependent instructions) ahead of its loads costs 0.1-0.3 us
+            out.append(f"streamed forward with {record['div64']} 64-bit integer divisions")
         if record.get("shifted_spans") and not record["ld_global_v4"]:
             out.append("scalar row without the aligned 128-bit loads of its spans")
         if record.get("paired") and not record.get("named_barriers"):
