@@ -109,6 +109,12 @@ def _packed(info):
     return np.ascontiguousarray(info.host.reshape(-1))
 
 
+def _written(info):
+    """A float32 output the kernel fills as a vector (rstd, yscale: the library allocates them
+    contiguous, so this is a view); a dummy where there is none."""
+    return _dummy(_dtypes.FLOAT32) if info is None else info.host.reshape(-1)
+
+
 def _gains(info):
     """A weight or xscale as a contiguous float32 vector (16-bit values convert exactly, and the
     kernels compute in float32), so that a kernel serves every gain dtype; a dummy where there is
@@ -212,8 +218,8 @@ class CpuBackend:
         rows = (n, h, x_stride, x_head_stride, y_stride, y_head_stride)
         args = (vector(x, (t, x_stride), (h, x_head_stride), (n, 1)), w,
                 vector(y, (t, y_stride), (h, y_head_stride), (n, 1)),
-                rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32), rows,
-                np.float32(eps), np.float32(weight_offset), rstd is not None)
+                _written(rstd), rows, np.float32(eps), np.float32(weight_offset),
+                rstd is not None)
         self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
     def rms_norm_gated_fwd(self, x, z, weight, y, rstd, m, n, strides, heads, eps,
@@ -226,9 +232,8 @@ class CpuBackend:
         arrays = [vector(info, (count, stride), (h, head_stride), (n, 1))
                   for info, stride, head_stride in zip((x, z, y), strides, heads[1:])]
         rows = (h, n) + tuple(v for pair in zip(strides, heads[1:]) for v in pair)
-        args = (*arrays[:2], w, arrays[2],
-                rstd.host.reshape(-1) if rstd is not None else _dummy(_dtypes.FLOAT32), rows,
-                np.float32(eps), np.float32(weight_offset), rstd is not None)
+        args = (*arrays[:2], w, arrays[2], _written(rstd), rows, np.float32(eps),
+                np.float32(weight_offset), rstd is not None)
         self.pool.run(lambda lo, hi: fwd(*args, lo, hi), count, m * n)
 
     def rms_norm_gated_bwd(self, dy, x, z, weight, rstd, dx, dz, dweight, m, groups, g, strides,
@@ -242,9 +247,8 @@ class CpuBackend:
         partial = workspace((parts, groups * g)).host
         dyv, xv, zv, dxv, dzv = (vector(info, (m, stride), (groups * g, 1))
                                  for info, stride in zip((dy, x, z, dx, dz), strides))
-        args = (dyv, xv, zv, w,
-                rstd.host.reshape(-1) if rstd is not None else _dummy(_dtypes.FLOAT32), dxv, dzv,
-                partial, (m, groups, g, *strides), np.float32(eps), np.float32(weight_offset))
+        args = (dyv, xv, zv, w, _packed(rstd), dxv, dzv, partial, (m, groups, g, *strides),
+                np.float32(eps), np.float32(weight_offset))
         self.pool.run(lambda p0, p1: bwd(*args, p0, p1), parts, m * groups * g)
         if weight is not None:
             self._kernel(cpu_rmsnorm.make_dweight_sum, weight.dtype)(partial, dweight.host)
@@ -261,8 +265,7 @@ class CpuBackend:
         rows = (n, *(stride if info is not None else 0
                      for info, stride in zip((x, residual, y, residual_out), strides)))
         args = (x_v, residual_v, w, xs, y_v, residual_out_v,
-                rstd.host if rstd is not None else _dummy(_dtypes.FLOAT32),
-                yscale.host if yscale is not None else _dummy(_dtypes.FLOAT32), rows,
+                _written(rstd), _written(yscale), rows,
                 np.float32(eps), np.float32(weight_offset), rstd is not None)
         self.pool.run(lambda lo, hi: fwd(*args, lo, hi), m, m * n)
 
