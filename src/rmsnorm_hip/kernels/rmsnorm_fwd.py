@@ -598,19 +598,21 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         ty = gpu.threadIdx.y
         step = int64(gpu.gridDim.x) * rows
         block_row = int64(gpu.blockIdx.x) * rows    # the block's first row: uniform in the block
+        row = block_row + ty    # carried beside block_row: recomputed from it, the int8
+        # group-scaled kernel (G = 32) spilled at its 128 registers
         wait_prior_grids()
-        load_row_words(call, block_row + ty, tx, words_a)
+        load_row_words(call, row, tx, words_a)
         if held:
             hold_gains(call, tx, sc)
         release_dependents()
         # walked while the block's first row is in the batch: a trip count would be a 64-bit
         # division, a subroutine of dependent instructions ahead of the first load
         while block_row < call.m:
-            stream_row(call, block_row + ty, step, red, 0, tx, ty, sc, words_a, words_b)
+            stream_row(call, row, step, red, 0, tx, ty, sc, words_a, words_b)
             if block_row + step < call.m:
-                stream_row(call, block_row + step + ty, step, red, n_red, tx, ty, sc, words_b,
-                           words_a)
+                stream_row(call, row + step, step, red, n_red, tx, ty, sc, words_b, words_a)
             block_row += 2 * step
+            row += 2 * step
 
     @jitable
     def run(call):
