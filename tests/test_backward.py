@@ -542,7 +542,7 @@ def _reduce_in_order(ws, groups):
 @pytest.mark.parametrize("ws_rows", [1, 2, 5, 11, 14])
 @pytest.mark.parametrize("pairs", [False, True])
 def test_sim_dweight_reduce_keeps_its_order(rng, use_backend, wdtype, ws_rows, pairs):
-    """The reduction's batched loads (full batches, then the rows left one at a time) add in the
+    """The reduction's batched loads (the last batch short, its missing rows +0.0) add in the
     documented order: its bits equal a one-at-a-time float32 sum, every column of dweight
     written; with ``pairs`` over the sums of workspace rows 2q and 2q + 1."""
     import ml_dtypes

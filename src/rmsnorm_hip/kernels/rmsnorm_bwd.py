@@ -478,8 +478,8 @@ def make_dweight_reduce(intr, spec: ReduceSpec):
     """dweight[j] = sum over ws rows of ws[r, j], in a fixed order: thread (tx, ty) of block b sums
     rows ty, ty + G, ... of column ``columns * b + tx`` one after the other; the G partial sums
     are then added in group order.  The loads go out ``batch`` at a time before their adds (the
-    adds keep row order, so the bits are those of one load at a time): the reduction is a chain
-    of memory latencies, not of bandwidth (~4 MB).  With ``spec.pairs`` a "row" is the sum of
+    adds keep row order, so the bits are those of one load at a time), the last batch too when
+    it is short: the reduction is a chain of memory latencies, not of bandwidth (~4 MB).  With ``spec.pairs`` a "row" is the sum of
     workspace rows 2q and 2q + 1 (the rows of a paired kernel's program, BwdSpec.pair_twin)."""
     gpu, jitable = intr.gpu, intr.jitable
     encode = codec(intr, spec.weight)[1]
@@ -498,15 +498,17 @@ def make_dweight_reduce(intr, spec: ReduceSpec):
         total = float32(0.0)
         stride = int64(groups * span) * n
         at = int64(first * span) * n + col
-        for _ in range(count // batch):
+        left = count
+        while left > 0:
+            # a short last batch loads its rows at once too (one latency, not one a row); its
+            # missing rows add +0.0, which leaves every sum's bits as they were (total starts at
+            # +0.0, and no float32 sum from there is -0.0)
             for k in range(batch):
-                vals[k] = row_value(ws, at + k * stride, n)
+                vals[k] = row_value(ws, at + k * stride, n) if k < left else float32(0.0)
             for k in range(batch):
                 total += vals[k]
             at += batch * stride
-        for _ in range(count % batch):
-            total += row_value(ws, at, n)
-            at += stride
+            left -= batch
         return total
 
     def dweight_reduce(ws, dweight, ws_rows, n):
