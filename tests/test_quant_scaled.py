@@ -511,11 +511,13 @@ def _host(a):
     return a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a)
 
 
-# (format, shape, dtype, what the case covers): every scaling kind on the streamed cached row,
-# a multi-row block (N = 128: 16-lane rows), the scalar form (a vector call, then its rows from
-# unaligned memory: bitwise the same), the looped row (full tier), a 64-lane warp
+# (format, shape, dtype, what the case covers): every scaling kind on the streamed cached row
+# (its scales one group a lane: 16 and 4 lanes a group, the chunks past N = 5120), a multi-row
+# block (N = 128: 16-lane rows), the scalar form (a vector call, then its rows from unaligned
+# memory: bitwise the same), the looped row (full tier), a 64-lane warp
 SIM_CASES = [
     ("group128_fp8", (3, 4096), BFLOAT16, "stream"),
+    ("group32_int8", (3, 5120), BFLOAT16, "stream"),
     ("group16_int8_ue8m0", (5, 128), FLOAT32, "multirow"),
     ("group128_fp8", (3, 256), FLOAT32, "multirow"),          # 32-lane groups
     ("group64_int8_column", (3, 256), FLOAT16, "scalar"),

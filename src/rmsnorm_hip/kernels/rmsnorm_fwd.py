@@ -131,6 +131,13 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     scaling, group = spec.scaling, spec.group
     group_scaled, static = scaling in GROUP_SCALINGS, scaling == "static"
     group_lanes = group // chunk if group_scaled else 1
+    # cached rows whose chunks each lie in a group of at least per_thread lanes find their
+    # scales one group a lane (group_scales): a power of two of each
+    shared_scales = (group_scaled and cached and 1 < per_thread <= group_lanes
+                     and per_thread & (per_thread - 1) == 0)
+    keepers = group_lanes // per_thread if shared_scales else 1    # lanes holding one group
+    halvings = per_thread.bit_length() - 1 if shared_scales else 0
+    pre_varies = scaling == "group"     # the other group scalings' pre is always 1
     # int8 levels by one fma where a NaN-propagating max|t| tells which rows may take it
     fma_levels = quant == _dtypes.INT8 and "max_abs_nan" in intr.features and not scaling
     element = _dtypes.MX_ELEMENT.get(quant, quant)
@@ -166,7 +173,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     residual_words = words if has_residual or gate else 1
     load_words, words_to_floats = x_io.load_words, x_io.words_to_floats
     wait_prior_grids, release_dependents = intr.wait_prior_grids, intr.release_dependents
-    warp_max, max_nan = intr.warp_max, intr.max_nan
+    warp_max, max_nan, shfl_xor = intr.warp_max, intr.max_nan, intr.shfl_xor
     sigmoid = intr.sigmoid
 
     @jitable
@@ -462,6 +469,43 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         return r * pre, inv
 
     @jitable
+    def group_scales(call, row, live, tx, r, sc, muls, invs):
+        """(muls[k], invs[k]) of every chunk k of a cached row, as group_scale gives them, with
+        one scale computed a lane rather than one a chunk: the chunk maxima are halved over the
+        group's lanes (lane bit group_lanes / 2 keeps the upper half of the chunks, and so on:
+        lane l ends up with chunk j = l // keepers), a butterfly over ``keepers`` lanes
+        finishes the maxima, and each chunk's factors come back from a lane that holds it.  A
+        NaN-winning max of magnitudes does not depend on its order: the same scales."""
+        amax = gpu.local.array(per_thread, float32)
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            m = float32(0.0)
+            if live and (full or col0 < n):
+                for e in range(chunk):
+                    m = max_nan(m, abs(sc.vals[k * chunk + e]))
+            amax[k] = m
+        lane = tx % group_lanes
+        for level in range(halvings):      # constant trip counts: unrolled, amax in registers
+            held = per_thread >> (level + 1)
+            distance = group_lanes >> (level + 1)
+            upper = (lane & distance) != 0
+            for i in range(held):
+                send = amax[i] if upper else amax[i + held]
+                keep = amax[i + held] if upper else amax[i]
+                amax[i] = max_nan(keep, shfl_xor(send, distance))
+        mine = lane // keepers
+        stored, inv, pre = scale_of(warp_max(amax[0], keepers) * r)
+        first = ((tx - lane) + mine * threads) * chunk      # the group's first column
+        if live and lane % keepers == 0 and (full or first < n):
+            strides = call.scale_strides
+            call.arrays.yscale[row * strides[0] + (first // group) * strides[1]] = stored
+        mul = r * pre
+        for k in range(per_thread):
+            source = (mine ^ k) * keepers
+            invs[k] = shfl_xor(inv, source)
+            muls[k] = shfl_xor(mul, source) if pre_varies else r
+
+    @jitable
     def quantise_scaled(call, at, row, live, tx, ty, trips, red, buf, sc):
         """A quantised row with scales per group (or a static scale): its one reduction, the
         sum of squares, then per chunk t = h * g, its group's scale and q.  Cached rows take
@@ -484,7 +528,9 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 col0 = (tx + k * threads) * chunk
                 if live and (full or col0 < n):
                     weigh_chunk(call, col0, sc, k * chunk)
-            if group_scaled:
+            if shared_scales:
+                group_scales(call, row, live, tx, r, sc, muls, invs)
+            elif group_scaled:
                 for k in range(per_thread):
                     col0 = (tx + k * threads) * chunk
                     muls[k], invs[k] = group_scale(call, row, col0, live and (full or col0 < n),
