@@ -479,8 +479,9 @@ def make_dweight_reduce(intr, spec: ReduceSpec):
     rows ty, ty + G, ... of column ``columns * b + tx`` one after the other; the G partial sums
     are then added in group order.  The loads go out ``batch`` at a time before their adds (the
     adds keep row order, so the bits are those of one load at a time), the last batch too when
-    it is short: the reduction is a chain of memory latencies, not of bandwidth (~4 MB).  With ``spec.pairs`` a "row" is the sum of
-    workspace rows 2q and 2q + 1 (the rows of a paired kernel's program, BwdSpec.pair_twin)."""
+    it is short: the reduction is a chain of memory latencies, not of bandwidth (~4 MB).  With
+    ``spec.pairs`` a "row" is the sum of workspace rows 2q and 2q + 1 (the rows of a paired
+    kernel's program, BwdSpec.pair_twin)."""
     gpu, jitable = intr.gpu, intr.jitable
     encode = codec(intr, spec.weight)[1]
     columns, groups, batch, pairs = spec.columns, spec.groups, spec.batch, spec.pairs

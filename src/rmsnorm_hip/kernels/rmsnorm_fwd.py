@@ -131,12 +131,12 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     scaling, group = spec.scaling, spec.group
     group_scaled, static = scaling in GROUP_SCALINGS, scaling == "static"
     group_lanes = group // chunk if group_scaled else 1
-    # cached rows whose chunks each lie in a group of at least per_thread lanes find their
-    # scales one group a lane (group_scales): a power of two of each
-    shared_scales = (group_scaled and cached and 1 < per_thread <= group_lanes
-                     and per_thread & (per_thread - 1) == 0)
-    keepers = group_lanes // per_thread if shared_scales else 1    # lanes holding one group
-    halvings = per_thread.bit_length() - 1 if shared_scales else 0
+    # cached rows of a power-of-two number of chunks a thread, no more than a group has lanes,
+    # compute one group's scale a lane rather than one a chunk (group_scales)
+    scales_by_lane = (group_scaled and cached and 1 < per_thread <= group_lanes
+                      and per_thread & (per_thread - 1) == 0)
+    keepers = group_lanes // per_thread if scales_by_lane else 1    # lanes holding one group
+    halvings = per_thread.bit_length() - 1 if scales_by_lane else 0
     pre_varies = scaling == "group"     # the other group scalings' pre is always 1
     # int8 levels by one fma where a NaN-propagating max|t| tells which rows may take it
     fma_levels = quant == _dtypes.INT8 and "max_abs_nan" in intr.features and not scaling
@@ -528,7 +528,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
                 col0 = (tx + k * threads) * chunk
                 if live and (full or col0 < n):
                     weigh_chunk(call, col0, sc, k * chunk)
-            if shared_scales:
+            if scales_by_lane:
                 group_scales(call, row, live, tx, r, sc, muls, invs)
             elif group_scaled:
                 for k in range(per_thread):
