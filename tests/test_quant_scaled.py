@@ -512,12 +512,15 @@ def _host(a):
 
 
 # (format, shape, dtype, what the case covers): every scaling kind on the streamed cached row
-# (its scales one group a lane: 16 and 4 lanes a group, the chunks past N = 5120), a multi-row
-# block (N = 128: 16-lane rows), the scalar form (a vector call, then its rows from unaligned
-# memory: bitwise the same), the looped row (full tier), a 64-lane warp
+# (its scales one group a lane: 16 and 4 lanes a group, the chunks past N = 5120; two chunks a
+# thread in two-row blocks at N = 272, a row past M, and on a 64-lane warp at N = 320), a
+# multi-row block (N = 128: 16-lane rows), the scalar form (a vector call, then its rows from
+# unaligned memory: bitwise the same), the looped row (full tier), a 64-lane warp
 SIM_CASES = [
     ("group128_fp8", (3, 4096), BFLOAT16, "stream"),
     ("group32_int8", (3, 5120), BFLOAT16, "stream"),
+    ("group16_int8_ue8m0", (3, 272), FLOAT32, "multirow"),
+    ("mxfp8", (3, 320), FLOAT32, "warp64"),
     ("group16_int8_ue8m0", (5, 128), FLOAT32, "multirow"),
     ("group128_fp8", (3, 256), FLOAT32, "multirow"),          # 32-lane groups
     ("group64_int8_column", (3, 256), FLOAT16, "scalar"),

@@ -475,7 +475,9 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         group's lanes (lane bit group_lanes / 2 keeps the upper half of the chunks, and so on:
         lane l ends up with chunk j = l // keepers), a butterfly over ``keepers`` lanes
         finishes the maxima, and each chunk's factors come back from a lane that holds it.  A
-        NaN-winning max of magnitudes does not depend on its order: the same scales."""
+        NaN-winning max of magnitudes does not depend on its order: the same scales, but for
+        the payload of a NaN scale where a group holds NaNs of several payloads (the portable
+        max keeps its second NaN; CUDA's gives one NaN)."""
         amax = gpu.local.array(per_thread, float32)
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
