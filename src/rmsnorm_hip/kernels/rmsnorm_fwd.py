@@ -452,20 +452,29 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         store_q(call.arrays.y, at.y, col0, sc.vals, slot, inv)
 
     @jitable
+    def chunk_amax(here, sc, slot):
+        """max|t| of the chunk at sc.vals[slot:] (NaN wins), 0 for a chunk past N or M."""
+        amax = float32(0.0)
+        if here:
+            for e in range(chunk):
+                amax = max_nan(amax, abs(sc.vals[slot + e]))
+        return amax
+
+    @jitable
+    def store_group_scale(call, row, first, stored):
+        """The scale of the group whose first column is ``first``."""
+        strides = call.scale_strides
+        call.arrays.yscale[row * strides[0] + (first // group) * strides[1]] = stored
+
+    @jitable
     def group_scale(call, row, col0, here, r, sc, slot):
         """(a, inv) of the chunk at sc.vals[slot:] (t) after its group's scale is found: its
         max|t| over the group's lanes (one butterfly: a group is a run of lanes; every lane
         takes it, rows past M too) times rstd, which is max|y| exactly (rounding is monotonic),
         and the scale stored by the group's first lane."""
-        amax = float32(0.0)
-        if here:
-            for e in range(chunk):
-                amax = max_nan(amax, abs(sc.vals[slot + e]))
-        amax = warp_max(amax, group_lanes)
-        stored, inv, pre = scale_of(amax * r)
+        stored, inv, pre = scale_of(warp_max(chunk_amax(here, sc, slot), group_lanes) * r)
         if here and col0 % group == 0:
-            strides = call.scale_strides
-            call.arrays.yscale[row * strides[0] + (col0 // group) * strides[1]] = stored
+            store_group_scale(call, row, col0, stored)
         return r * pre, inv
 
     @jitable
@@ -481,11 +490,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         amax = gpu.local.array(per_thread, float32)
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
-            m = float32(0.0)
-            if live and (full or col0 < n):
-                for e in range(chunk):
-                    m = max_nan(m, abs(sc.vals[k * chunk + e]))
-            amax[k] = m
+            amax[k] = chunk_amax(live and (full or col0 < n), sc, k * chunk)
         lane = tx % group_lanes
         for level in range(halvings):      # constant trip counts: unrolled, amax in registers
             held = per_thread >> (level + 1)
@@ -499,8 +504,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         stored, inv, pre = scale_of(warp_max(amax[0], keepers) * r)
         first = ((tx - lane) + mine * threads) * chunk      # the group's first column
         if live and lane % keepers == 0 and (full or first < n):
-            strides = call.scale_strides
-            call.arrays.yscale[row * strides[0] + (first // group) * strides[1]] = stored
+            store_group_scale(call, row, first, stored)
         mul = r * pre
         for k in range(per_thread):
             source = (mine ^ k) * keepers
