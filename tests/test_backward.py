@@ -143,6 +143,57 @@ def test_sim_paths(rng, use_backend, monkeypatch, m, n, dtype, wdtype, looped):
     assert_bitwise(alone, dx[m - 1:], "dx of a row alone vs in its batch")
 
 
+# (M, N, dtype, weight dtype): calls whose dweight the kernel's column programs sum
+# (_config.bwd_column_dweight): fewer rows than row groups (16-bit), row groups walking up to 5
+# rows (pairs of loads, then one alone), columns past N in the last column program
+COLUMN_CASES = [(6, 1024, BFLOAT16, FLOAT32), (70, 512, FLOAT32, FLOAT32),
+                (14, 1000, FLOAT32, FLOAT32)]
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("m,n,dtype,wdtype", full_tier_except(
+    COLUMN_CASES, lambda case: case[0] == 6), ids=str)
+def test_sim_column_dweight(rng, use_backend, monkeypatch, m, n, dtype, wdtype):
+    """dweight from the kernel's column programs: every element written, within float64's
+    tolerance, and the same bits run to run, in the scalar (unaligned) form and over head rows
+    (a (T, H, N) view of a wider buffer) as in the vector form; dx as the workspace path's."""
+    be = use_backend("sim")
+    _nan_outputs(monkeypatch)
+    x, dy = random_array(rng, (m, n), dtype), random_array(rng, (m, n), dtype)
+    w = random_array(rng, (n,), wdtype, loc=1.0, scale=0.1)
+    rstd = rms_norm(x, w, return_rstd=True)[1]
+
+    def unaligned(a):
+        return np.concatenate([a[:, :1], a], axis=1)[:, 1:]
+
+    def head_rows(a):     # row r = 2t + h: (T, 2, N) heads of a wider buffer, two strides
+        pairs = a.reshape(m // 2, 2 * n)
+        return np.concatenate([pairs, pairs[:, :8]], axis=1)[:, :2 * n].reshape(m // 2, 2, n)
+
+    outs = {}
+    for form, (dyf, xf) in {"vector": (dy, x), "scalar": (unaligned(dy), unaligned(x)),
+                            "heads": (head_rows(dy), head_rows(x))}.items():
+        functional.forget_plans()
+        outs[form] = rms_norm_backward(dyf, xf, w, rstd.reshape(-1))
+        spec = _ran(be)
+        assert spec.column_dweight and spec.heads == (form == "heads"), (form, spec)
+        assert spec.vector == (form != "scalar"), (form, spec)
+    dx, dw = outs["vector"]
+    ref = rms_norm_backward_ref(dy, x, w, rstd)
+    assert_dx(dx, dy, x, w, rstd, ref[0], dtype)
+    assert_dweight(dw, ref[1], wdtype)
+    for form, (dxf, dwf) in outs.items():
+        assert_bitwise(dxf.reshape(m, n), dx, f"dx, {form} vs vector")
+        assert_bitwise(dwf, dw, f"dweight, {form} vs vector")
+    assert_bitwise(rms_norm_backward(dy, x, w, rstd)[1], dw, "dweight run to run")
+    monkeypatch.setitem(_config.BWD_COLUMN_DWEIGHT_MAX_ROWS, "cuda", 0)
+    functional.forget_plans()
+    dx_ws, dw_ws = rms_norm_backward(dy, x, w, rstd)
+    assert not _ran(be).column_dweight
+    assert_bitwise(dx_ws, dx, "dx, workspace path vs column programs")
+    assert_dweight(dw_ws, ref[1], wdtype)
+
+
 @pytest.mark.parametrize("backend_name", ["cpu", pytest.param("sim", marks=pytest.mark.sim)])
 def test_deterministic_dweight(rng, use_backend, backend_name):
     use_backend(backend_name)
@@ -426,6 +477,8 @@ def test_sim_early_dweight_gives_the_late_bits(rng, use_backend, monkeypatch, m,
     (poisoned).  Multi-row blocks of several row blocks a program (ragged: rows past M), two-chunk
     rows (N = 8192), one row; deterministic=False's atomic adds too."""
     be = use_backend("sim")
+    # the workspace path (the column programs take such calls by default)
+    monkeypatch.setitem(_config.BWD_COLUMN_DWEIGHT_MAX_ROWS, "cuda", 0)
     monkeypatch.setattr(be, "sm_count", sms)
     _nan_outputs(monkeypatch)
     x, dy = random_array(rng, (m, n), dtype), random_array(rng, (m, n), dtype)
@@ -461,8 +514,10 @@ def test_sim_early_dweight_gives_the_late_bits(rng, use_backend, monkeypatch, m,
 def test_sim_stream_loads_give_the_plain_bits(rng, use_backend, monkeypatch, dtype, dres):
     """Calls of few bytes load x, dy and dresidual evict-first (BwdSpec.stream_loads,
     _config.bwd_stream_rows; 16-bit packed rows): where the lines go changes, not what is read,
-    so the same bits as the plain kernel, and the float64 contract."""
+    so the same bits as the plain kernel, and the float64 contract.  (The workspace path: the
+    column programs would count their loads too.)"""
     be = use_backend("sim")
+    monkeypatch.setitem(_config.BWD_COLUMN_DWEIGHT_MAX_ROWS, "cuda", 0)
     x, dy, dr = (random_array(rng, (5, 1024), dtype) for _ in range(3))
     dr = dr if dres else None
     w = random_array(rng, (1024,), dtype, loc=1.0, scale=0.1)
@@ -578,6 +633,8 @@ def test_sim_paired_rows(rng, use_backend, monkeypatch, n, wdtype, given_rstd, d
     M), and the twin runs 4 programs.  A float32 weight keeps dweight's summation order visible
     (a bf16 dweight's rounding can hide it)."""
     be = use_backend("sim")
+    # the workspace path (the column programs take such calls by default)
+    monkeypatch.setitem(_config.BWD_COLUMN_DWEIGHT_MAX_ROWS, "cuda", 0)
     monkeypatch.setattr(be, "sm_count", 2)
     _nan_outputs(monkeypatch)
     _patch(monkeypatch, "BWD_PAIRED_ROWS", {"cuda": True, "hip": False})

@@ -509,7 +509,8 @@ class GpuBackend:
         (_bwd_key), built once: a repeat call only looks it up."""
         pair, stream, sink, heads = key[-4:]
         spec = _config.bwd_spec(*key[:-4], vendor=self.vendor, pair=pair, stream=stream,
-                                atomic=sink == "atomic", direct=sink == "direct", heads=heads)
+                                atomic=sink == "atomic", direct=sink == "direct", heads=heads,
+                                columns=sink == "columns")
         kernel_spec = _config.bwd_kernel_spec(spec)
         kernel = self.kernel(rmsnorm_bwd.make_rmsnorm_bwd, kernel_spec,
                              rmsnorm_bwd.argtypes(kernel_spec))
@@ -526,15 +527,18 @@ class GpuBackend:
         vector, recompute rstd, dresidual), whether its rows pair (_config.bwd_pair_rows),
         whether it asks for evict-first row loads (_config.bwd_stream_rows), and where its
         dweight goes: "workspace" (partial rows and the reduction kernel), "direct" (the kernel
-        writes it: _config.bwd_direct_dweight) or "atomic" (summed by atomics, not
-        ``deterministic``, where _config.bwd_atomic_dweight says), and whether its rows are at
-        two strides (``heads``: always the workspace)."""
-        pair = _config.bwd_pair_rows(m, self.sm_count, self.vendor)
+        writes it: _config.bwd_direct_dweight), "columns" (column programs of the kernel sum
+        it: _config.bwd_column_dweight, ``deterministic`` calls) or "atomic" (summed by atomics,
+        not ``deterministic``, where _config.bwd_atomic_dweight says), and whether its rows are
+        at two strides (``heads``: the workspace or the columns, as the one-stride call)."""
+        columns = deterministic and _config.bwd_column_dweight(key[0], key[1], key[2], key[4],
+                                                                m, self.vendor)
+        pair = not columns and _config.bwd_pair_rows(m, self.sm_count, self.vendor)
         stream = _config.bwd_stream_rows(m, key[0], key[1], self.vendor)
-        sink = "workspace"
+        sink = "columns" if columns else "workspace"
         if heads:
             return key + (pair, False, sink, True)
-        if m == 1 or not deterministic:
+        if not columns and (m == 1 or not deterministic):
             spec = _config.bwd_spec(*key, vendor=self.vendor, pair=pair, stream=stream)
             if _config.bwd_direct_dweight(spec, m):
                 sink = "direct"
@@ -551,7 +555,8 @@ class GpuBackend:
         a backward call of ``m`` rows."""
         key = self._bwd_key(key, m, deterministic, heads)
         spec, kernel, reduce, reduce_spec = self._bwd_plans.get(key) or self._bwd_plan(key)
-        programs = _config.bwd_programs(spec, m, self.sm_count, self.vendor)
+        programs = (_config.bwd_programs(spec, m, self.sm_count, self.vendor)
+                    + _config.bwd_column_programs(spec))
         columns, groups = reduce_spec.columns, reduce_spec.groups
         return (kernel, (programs, 1, 1), (spec.layout.threads, spec.rows, 1), reduce,
                 ((spec.layout.n + columns - 1) // columns, 1, 1), (columns, groups, 1),
@@ -570,7 +575,8 @@ class GpuBackend:
             shape_ = self._bwd_launch_shape(
                 (n, dtype, weight_dtype, vector, not has_rstd, has_dres), m, deterministic)
             sink = shape_[-1]
-            # atomics add into a zeroed dweight; they and a direct dweight need no workspace
+            # atomics add into a zeroed dweight; they, a direct and a column-summed dweight
+            # need no workspace
             alloc_dw = ((io.zeros_allocator if sink == "atomic" else io.allocator)(
                 (n,), weight_dtype) if weight_dtype else None)
             alloc_ws = (None if sink != "workspace"

@@ -387,6 +387,43 @@ BWD_PAIRED_ROWS = {"cuda": True, "hip": False}
 BWD_PAIRED_MIN_ROWS_PER_SM = 2
 
 
+# small backward calls: dweight summed by column programs appended to the row kernel's own
+# grid, straight from x, dy and the forward's rstd, while the row programs write dx only: one
+# launch, no workspace and no reduction kernel (bwd_column_dweight).  Up to this many rows and
+# elements: the column programs read x and dy a second time, which under the L2 write flush
+# cost more than the reduction saved at 256x8192 (H100: 10.1 -> 11.6 us; in a CUDA graph 8.2 ->
+# 6.5).  AMD: not measured
+BWD_COLUMN_DWEIGHT_MAX_ROWS = {"cuda": 256, "hip": 0}
+BWD_COLUMN_DWEIGHT_MAX_ELEMENTS = 1 << 20
+# a column program's threads take BWD_COLUMN_CHUNKS adjacent chunks (64 16-bit or 32 float32
+# columns a program) and walk the rows in threads // BWD_COLUMN_CHUNKS groups
+BWD_COLUMN_CHUNKS = 8
+# ...in blocks of at most this many threads: 1024-thread rows (16-bit N = 16384) spilled out of
+# their 64 registers with the column path beside the row's
+BWD_COLUMN_MAX_THREADS = 512
+
+
+def bwd_column_dweight(n, dtype, weight, recompute_rstd, m, vendor="cuda"):
+    """Whether a backward call of ``m`` rows sums dweight in column programs of its row kernel
+    (BwdSpec.column_dweight): more than one row and at most BWD_COLUMN_DWEIGHT_MAX_ROWS, a
+    weight, the forward's rstd (the column programs cannot wait for a recomputed one), and a
+    cached layout of one row a block.  Part of the call's kernel choice: dweight's summation
+    order is then a function of M and the layout only, for every form of the call."""
+    layout = bwd_row_layout(n, dtype, vendor)
+    return bool(1 < m <= BWD_COLUMN_DWEIGHT_MAX_ROWS[vendor]
+                and m * n <= BWD_COLUMN_DWEIGHT_MAX_ELEMENTS and weight and not recompute_rstd
+                and layout.cached and rows_per_block(layout) == 1
+                and layout.threads <= BWD_COLUMN_MAX_THREADS
+                and layout.threads % (BWD_COLUMN_CHUNKS * layout.chunk) == 0)
+
+
+def bwd_column_programs(spec):
+    """Column programs of a BwdSpec.column_dweight grid (after its row programs)."""
+    if not spec.column_dweight:
+        return 0
+    return ceil_div(spec.layout.n, BWD_COLUMN_CHUNKS * spec.layout.chunk)
+
+
 def bwd_pair_rows(m, sm_count, vendor="cuda"):
     """Whether a backward call of ``m`` rows pairs its rows where the layout allows
     (BWD_PAIRED_ROWS): part of the call's kernel choice, as the grid's programs are.  dweight's
@@ -486,18 +523,25 @@ class BwdSpec:
     # at (r // H) * stride + (r % H) * head_stride (the same programs and rows as the call's
     # one-stride kernel, so the same dweight bits)
     heads: bool = False
+    # dweight summed by column programs after the row programs, from x, dy and rstd; the row
+    # programs keep no partial (bwd_column_dweight); ``ws`` is dweight
+    column_dweight: bool = False
 
 
 def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda", pair=True,
-             stream=False, atomic=False, direct=False, heads=False):
+             stream=False, atomic=False, direct=False, heads=False, columns=False):
     """The backward kernel of a call shape; ``pair``: rows of the layouts that pair do
     (BWD_PAIRED_ROWS; bwd_pair_rows decides it per call); ``stream``: 16-bit packed vector rows
     load evict-first where the vendor does (BWD_STREAM_LOADS; bwd_stream_rows decides it per
     call; other rows ignore it); ``direct``: the call's grid is one program of one row
     (bwd_direct_dweight), whose 16-bit dweight the kernel encodes itself; ``heads``: rows at two
     strides (BwdSpec.heads), which a rows-that-pair call walks as the pair twin does, with
-    neither evict-first loads nor a direct dweight."""
+    neither evict-first loads nor a direct dweight; ``columns``: dweight from column programs
+    (bwd_column_dweight), whose rows neither pair nor keep a partial."""
     layout = bwd_row_layout(n, dtype, vendor)
+    pair = pair and not columns
+    atomic = atomic and not columns
+    direct = direct and not columns
     itemsize = _dtypes.ITEMSIZE[dtype]
     # 16-bit rows of 2 chunks a thread keep their words in the scalar (unaligned) form too: as
     # floats, x and dy spilled the N = 16384 rows' 1024-thread block.  The words are read one
@@ -542,8 +586,8 @@ def bwd_spec(n, dtype, weight, vector, recompute_rstd, dresidual, vendor="cuda",
                    direct_dweight=bool(direct and weight in _dtypes.HALF_DTYPES and layout.cached
                                        and rows == 1 and not paired and not heads),
                    early_dweight=bool(prefetch_rstd and weight and not paired and budget > 1
-                                      and BWD_EARLY_DWEIGHT[vendor]),
-                   heads=heads)
+                                      and BWD_EARLY_DWEIGHT[vendor] and not columns),
+                   heads=heads, column_dweight=bool(columns))
 
 
 def bwd_direct_dweight(spec, m):
@@ -627,6 +671,10 @@ def launch_bounds(spec):
         return None, None
     threads = spec.layout.threads * spec.rows
     blocks = bwd_spec_blocks_per_sm(spec) if spec.packed else 1
+    if blocks == 1 and spec.column_dweight:
+        # declared: without it ptxas held the unpacked head-row forms with column programs to
+        # 64 registers and spilled 8 bytes (16-bit N = 4096); with it they take 75-97
+        return threads, 1
     return threads, (blocks if blocks > 1 else None)
 
 

@@ -47,7 +47,8 @@ class Variant:
             flags = (f"recompute={int(s.recompute_rstd)}:dres={int(s.dresidual)}"
                      + (":stream_loads" if s.stream_loads else "")
                      + (":atomic" if s.atomic_dweight else "")
-                     + (":direct" if s.direct_dweight else ""))
+                     + (":direct" if s.direct_dweight else "")
+                     + (":columns" if s.column_dweight else ""))
         else:
             flags = f"rstd={int(s.store_rstd)}"
             if getattr(s, "fused", False):
@@ -159,9 +160,18 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
                             specs.add(_config.bwd_spec(
                                 n, dtype, weight, vector, recompute, dres, vendor, pair=False,
                                 stream=_config.bwd_stream_rows(1, n, dtype, vendor), direct=True))
+                            # calls of few rows with the forward's rstd: dweight from column
+                            # programs (bwd_column_dweight), rows at one or two strides
+                            if _config.bwd_column_dweight(n, dtype, weight, recompute, 2, vendor):
+                                for heads in (False, True):
+                                    specs.add(_config.bwd_spec(
+                                        n, dtype, weight, vector, recompute, dres, vendor,
+                                        stream=not heads and _config.bwd_stream_rows(
+                                            2, n, dtype, vendor), heads=heads, columns=True))
                             for spec in sorted(specs, key=lambda s: (s.paired, s.stream_loads,
                                                                      s.atomic_dweight,
-                                                                     s.direct_dweight)):
+                                                                     s.direct_dweight,
+                                                                     s.column_dweight, s.heads)):
                                 yield Variant("bwd", rmsnorm_bwd.make_rmsnorm_bwd, spec,
                                               rmsnorm_bwd.argtypes(spec))
     for weight in _dtypes.ACTIVATION_DTYPES:

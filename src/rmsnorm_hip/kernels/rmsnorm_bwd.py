@@ -54,7 +54,8 @@ def argtypes(spec: BwdSpec):
     ws is dweight where ``spec.direct_dweight``; the last five are read by BwdSpec.heads kernels
     only (the row strides are then per H rows)."""
     data, f32 = _pointer(spec.dtype), types.CPointer(types.float32)
-    ws = _pointer(spec.weight) if spec.direct_dweight else f32     # ws is dweight then
+    # ws is dweight for a direct or column-summed dweight
+    ws = _pointer(spec.weight) if spec.direct_dweight or spec.column_dweight else f32
     return (data, data, _pointer(spec.weight or _dtypes.FLOAT32), f32, data, data, ws,
             types.int64, types.int64, types.int64, types.int64, types.int64, types.float32,
             types.float32) + (types.int64,) * 5
@@ -149,6 +150,19 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             ws_store_4(ws, start, col0, vals, slot)
 
     heads = spec.heads
+
+    # column programs (spec.column_dweight): the grid's last programs sum dweight straight from
+    # x, dy and rstd, a column block each; the row programs keep no partial
+    columns = spec.column_dweight
+    assert not columns or (rows == 1 and cached and has_weight and not recompute
+                           and not spec.paired), spec
+    col_programs = _config.bwd_column_programs(spec)
+    col_width = _config.BWD_COLUMN_CHUNKS * chunk       # columns a column program sums
+    col_groups = threads // _config.BWD_COLUMN_CHUNKS   # row groups walking them
+    col_subs = threads // col_width if columns else 1   # partial sums of the groups' sums
+    col_shape = (col_groups, col_width) if columns else (1, 1)
+
+    encode_dw = codec(intr, spec.weight or _dtypes.FLOAT32)[1]
 
     @jitable
     def starts(call, row):
@@ -333,6 +347,60 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             if live and col0 < n:
                 load_words(call.arrays.dres, starts(call, row).dres, col0, pk.dres, k * 4)
 
+    @jitable
+    def column_dweight(call, block, tx, acc, xv, dv, xw, dw, part, subs):
+        """dweight of columns [block * col_width, (block + 1) * col_width): thread (g, c) sums
+        chunk c's dy * (x * rstd) over rows g, g + G, ... in row order (two rows' loads in
+        flight), then the G group sums of each column are added in a fixed order: G / S
+        strided runs, then their S sums.  A function of M and the layout only."""
+        a = call.arrays
+        c = tx % _config.BWD_COLUMN_CHUNKS
+        g = tx // _config.BWD_COLUMN_CHUNKS
+        col0 = block * col_width + c * chunk
+        for e in range(chunk):
+            acc[e] = float32(0.0)
+        if col0 < n:
+            row = int64(g)
+            while row < call.m:
+                later = row + col_groups
+                both = later < call.m
+                first_at = starts(call, row)
+                load_words(a.x, first_at.x, col0, xw, 0)
+                load_words(a.dy, first_at.dy, col0, dw, 0)
+                r_first = a.rstd[row]
+                r_later = float32(0.0)
+                if both:
+                    later_at = starts(call, later)
+                    load_words(a.x, later_at.x, col0, xw, 4)
+                    load_words(a.dy, later_at.dy, col0, dw, 4)
+                    r_later = a.rstd[later]
+                words_to_chunk(xw, 0, uint32(0), xv)
+                words_to_chunk(dw, 0, uint32(0), dv)
+                for e in range(chunk):
+                    acc[e] = fma(dv[e], xv[e] * r_first, acc[e])
+                if both:
+                    words_to_chunk(xw, 1, uint32(0), xv)
+                    words_to_chunk(dw, 1, uint32(0), dv)
+                    for e in range(chunk):
+                        acc[e] = fma(dv[e], xv[e] * r_later, acc[e])
+                row += 2 * col_groups
+        for e in range(chunk):
+            part[g, c * chunk + e] = acc[e]
+        gpu.syncthreads()
+        j = tx % col_width
+        sub = tx // col_width
+        total = float32(0.0)
+        for q in range(sub, col_groups, col_subs):
+            total += part[q, j]
+        subs[sub, j] = total
+        gpu.syncthreads()
+        col = block * col_width + tx
+        if tx < col_width and col < n:
+            total = subs[0, tx]
+            for q in range(1, col_subs):
+                total += subs[q, tx]
+            a.ws[col] = encode_dw(total)
+
     def rmsnorm_bwd(dy, x, weight, rstd, dres, dx, ws, m, dy_stride, x_stride, dres_stride,
                     dx_stride, eps, weight_offset, heads, dy_head_stride, x_head_stride,
                     dres_head_stride, dx_head_stride):
@@ -365,6 +433,9 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
         sc = Floats(xv, dv, wv, acc, wdy, out, rv, xt, dt)
         pk = Packed(xw, dw, rw)         # this row's words (``packed``)
         nxt = Packed(xn, dn, rw)        # the next row's (``prefetch``; its dres is unused)
+        # a column program's words of two rows' chunks (``columns``)
+        cw = Packed(gpu.local.array(8 if columns else 1, uint32),
+                    gpu.local.array(8 if columns else 1, uint32), rw)
         # a zero the compiler cannot prove: pass 2 decodes the packed words XORed with it, so no
         # decoded value or product of pass 1 is kept live across the row reduction.  Stored once,
         # before a barrier: rows of at most a warp reduce without one
@@ -374,6 +445,13 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                 zero[0] = int32(m >> 62)
             gpu.syncthreads()
         part = gpu.shared.array((2, half, threads) if paired else (1, 1, 1), float32)
+        if columns:
+            programs -= col_programs
+            if program >= programs:
+                column_dweight(call, program - programs, tx, sc.acc, sc.xt, sc.dt, cw.x, cw.dy,
+                               gpu.shared.array(col_shape, float32),
+                               gpu.shared.array((col_subs, col_width), float32))
+                return
         ws_start = (program if paired else program * rows + ty) * n
         parity = 0
         r_next = float32(0.0)
@@ -449,7 +527,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                             x_hat = sc.x[vslot + e] * r
                             g = fma(-x_hat, c1, sc.wdy[e])
                             sc.out[e] = fma(g, r, sc.dres[e]) if has_dres else g * r
-                            if has_weight and not early_dw:
+                            if has_weight and not (early_dw or columns):
                                 if cached:
                                     sc.acc[slot + e] = fma(sc.dy[vslot + e], x_hat,
                                                            sc.acc[slot + e])
@@ -463,7 +541,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
                     pk.dy[e] = nxt.dy[e]
         if paired:
             pair_partials(ws, ws_start, tx, ty, part, sc.acc)
-        elif cached and has_weight and not (early_dw and iters > 0):
+        elif cached and has_weight and not (early_dw and iters > 0) and not columns:
             store_partial(ws, ws_start, tx, sc.acc)
 
     return rmsnorm_bwd
