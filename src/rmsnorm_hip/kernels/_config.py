@@ -405,10 +405,11 @@ BWD_COLUMN_MAX_THREADS = 512
 
 def bwd_column_dweight(n, dtype, weight, recompute_rstd, m, vendor="cuda"):
     """Whether a backward call of ``m`` rows sums dweight in column programs of its row kernel
-    (BwdSpec.column_dweight): more than one row and at most BWD_COLUMN_DWEIGHT_MAX_ROWS, a
-    weight, the forward's rstd (the column programs cannot wait for a recomputed one), and a
-    cached layout of one row a block.  Part of the call's kernel choice: dweight's summation
-    order is then a function of M and the layout only, for every form of the call."""
+    (BwdSpec.column_dweight): more than one row, at most BWD_COLUMN_DWEIGHT_MAX_ROWS rows and
+    BWD_COLUMN_DWEIGHT_MAX_ELEMENTS elements, a weight, the forward's rstd (the column programs
+    cannot wait for a recomputed one), and a cached layout of one row a block of at most
+    BWD_COLUMN_MAX_THREADS.  Part of the call's kernel choice: dweight's summation order is
+    then a function of M and the layout only, for every form of the call."""
     layout = bwd_row_layout(n, dtype, vendor)
     return bool(1 < m <= BWD_COLUMN_DWEIGHT_MAX_ROWS[vendor]
                 and m * n <= BWD_COLUMN_DWEIGHT_MAX_ELEMENTS and weight and not recompute_rstd

@@ -12,12 +12,14 @@ the last row's pass 1 where ``spec.early_dweight``) or in its program's workspac
 layouts, read-modify-write: that row and those columns belong to the thread alone).
 ``dweight_reduce`` then sums the workspace ``ws[P * rows, N]`` (``ws[P, N]`` for paired blocks)
 column-wise in a fixed order: dweight is the same bits on every run with the same P (a function of
-M, N and the device). With ``recompute_rstd`` the row's sum of squares is reduced in the same pass
-as sum(x * wdy), exactly as the forward reduces it. Paired blocks (``spec.paired``, CUDA) hold two
-rows that wait at their own named barriers and sum their partials into one workspace row; the
-scalar kernel of such a call shape stands in for the pair (``spec.pair_twin``: two programs per
-paired program, their workspace rows summed pairwise first by ``dweight_reduce``), so both sum
-dweight in the same order.
+M, N and the device).  Small calls (``spec.column_dweight``) end the grid in column programs
+instead, which sum dweight straight from x, dy and rstd (``column_dweight``) while the row
+programs store dx only: one launch, no workspace.  With ``recompute_rstd`` the row's sum of
+squares is reduced in the same pass as sum(x * wdy), exactly as the forward reduces it.  Paired
+blocks (``spec.paired``, CUDA) hold two rows that wait at their own named barriers and sum their
+partials into one workspace row; the scalar kernel of such a call shape stands in for the pair
+(``spec.pair_twin``: two programs per paired program, their workspace rows summed pairwise first
+by ``dweight_reduce``), so both sum dweight in the same order.
 """
 import math
 from collections import namedtuple
