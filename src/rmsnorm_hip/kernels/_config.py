@@ -410,10 +410,11 @@ def bwd_column_dweight(n, dtype, weight, recompute_rstd, m, vendor="cuda"):
     cannot wait for a recomputed one), and a cached layout of one row a block of at most
     BWD_COLUMN_MAX_THREADS.  Part of the call's kernel choice: dweight's summation order is
     then a function of M and the layout only, for every form of the call."""
+    if not (1 < m <= BWD_COLUMN_DWEIGHT_MAX_ROWS[vendor]
+            and m * n <= BWD_COLUMN_DWEIGHT_MAX_ELEMENTS and weight and not recompute_rstd):
+        return False    # most calls: decided without building the layout
     layout = bwd_row_layout(n, dtype, vendor)
-    return bool(1 < m <= BWD_COLUMN_DWEIGHT_MAX_ROWS[vendor]
-                and m * n <= BWD_COLUMN_DWEIGHT_MAX_ELEMENTS and weight and not recompute_rstd
-                and layout.cached and rows_per_block(layout) == 1
+    return bool(layout.cached and rows_per_block(layout) == 1
                 and layout.threads <= BWD_COLUMN_MAX_THREADS
                 and layout.threads % (BWD_COLUMN_CHUNKS * layout.chunk) == 0)
 
