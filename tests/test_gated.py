@@ -747,6 +747,34 @@ def test_sim_paths(rng, use_backend, monkeypatch, case):
     assert_bitwise(dz_1, grads[1][i:], f"dz of row {i} alone")
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("norm_before_gate", full_tier_except([False, True], lambda g: not g),
+                         ids=gate_id)
+def test_sim_held_partial_gives_the_workspace_bits(rng, use_backend, monkeypatch,
+                                                   norm_before_gate):
+    """Looped group rows short enough keep their dweight partial in registers
+    (GatedBwdSpec.held_partial): the same operations in the same order as the partial kept in
+    the slot's workspace row and updated per row, so the same bits.  Three rows over the
+    simulator's two slots: one slot accumulates two rows."""
+    be = use_backend("sim")
+    monkeypatch.setattr(be, "reduce_on_host", True)
+    m, n = 3, 4100                  # 1025 float32 chunks: 512 threads of 2-3 chunks, looped
+    x, z, dy, w = (aligned_copy(a) if a is not None else None for a in
+                   make_inputs(rng, (m, n), FLOAT32, FLOAT32, 0.0))
+    kw = dict(norm_before_gate=norm_before_gate)
+    runs = []
+    for held in (True, False):      # the simulator runs the NVIDIA configuration
+        limit = _config.GATED_BWD_MAX_HELD_PARTIAL["cuda"] if held else 0
+        monkeypatch.setitem(_config.GATED_BWD_MAX_HELD_PARTIAL, "cuda", limit)
+        with launched_specs(be) as specs:
+            runs.append(rms_norm_gated_backward(dy, x, z, w, None, **kw))
+        (spec,) = [s for s in specs if isinstance(s, _config.GatedBwdSpec)]
+        assert not spec.layout.cached and spec.held_partial == held, spec
+    check_backward(dy, x, z, w, None, *runs[0], FLOAT32, FLOAT32, eps=EPS, **kw)
+    for got, want, what in zip(runs[0], runs[1], ("dx", "dz", "dweight")):
+        assert_bitwise(got, want, f"{what}: partial held vs in the workspace")
+
+
 # ---- the torch adapter ---------------------------------------------------------------------------
 
 @pytest.fixture

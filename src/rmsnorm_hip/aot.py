@@ -621,6 +621,9 @@ def main(argv=None):
             parser.error(f"--arch: an AMD arch looks like gfx942, got {arch!r}")
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.only and not _select(args.only, args.target):
+        parser.error(f"--only: no variant's label contains any of {args.only} (labels look "
+                     f"like {_select(None, args.target)[0].label!r})")
     # The compiler is an optional extra: without it every worker would fail with a traceback.
     dist, extra = ("numba-cuda", "cuda") if args.target == "cuda" else ("numba-hip", "rocm")
     try:

@@ -399,7 +399,8 @@ class GpuBackend:
             pointers |= info.ptr if info is not None else 0
         vector = self._rows_aligned(g, x.dtype, strides) and not pointers & _ALIGN_MASK
         wdtype = weight.dtype if weight is not None else ""
-        spec = _config.gated_bwd_spec(g, x.dtype, wdtype, vector, rstd is None, gate)
+        spec = _config.gated_bwd_spec(g, x.dtype, wdtype, vector, rstd is None, gate,
+                                      self.vendor)
         kernel = self.kernel(gated_bwd.make_gated_bwd, spec, gated_bwd.argtypes(spec))
         slots = _config.gated_bwd_slots(spec, m, groups, self.sm_count)
         ws_rows = slots // groups

@@ -56,6 +56,8 @@ Names every GPU namespace provides
 ``release_dependents()``           ``griddepcontrol``): wait for the kernel before this one in
                                   the stream before reading its outputs; let the next one start.
                                   No-ops elsewhere, and wherever the launch did not ask for it
+``prefetch_l2(ptr, i)``             ask the L2 for the line holding ``ptr[i]`` (CUDA: PTX
+                                  ``prefetch.global.L2``; no-op elsewhere): a hint, never a read
 ``row_barrier(group, threads)``    a barrier of one row group's ``threads`` threads (CUDA: named
                                   barrier 1 + group); the whole block where there are no named
                                   barriers (AMD, the simulator): every group must then pass it
@@ -77,7 +79,7 @@ COMMON = frozenset({
 GPU = COMMON | frozenset({
     "shared_alignment", "align_offset", "load_b128", "load_b128_stream", "store_b128",
     "store_b64", "store_b32", "max_abs", "atomic_add_f32", "atomic_add_f32x4", "row_barrier",
-    "wait_prior_grids", "release_dependents"})
+    "wait_prior_grids", "release_dependents", "prefetch_l2"})
 # optional capabilities a namespace lists in ``features``, with the names each brings
 FEATURES = {
     "gpu": GPU - COMMON,            # 128-bit and aligned accesses, barriers, atomics, launches

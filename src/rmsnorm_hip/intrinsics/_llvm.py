@@ -483,6 +483,31 @@ def define_ptx_red(intrinsic):
     return dict(atomic_add_f32=atomic_add_f32, atomic_add_f32x4=atomic_add_f32x4)
 
 
+def define_l2_prefetch(intrinsic):
+    """``prefetch_l2(ptr, idx)``: PTX ``prefetch.global.L2`` of the line holding ``ptr[idx]``:
+    no register is written and nothing waits for it, so a kernel can ask for rows it reads
+    later (a looped row's next one) while it works on this one.  The address is converted to
+    the global window in the same asm block."""
+
+    @intrinsic
+    def prefetch_l2(typingctx, ptr, idx):
+        if not is_pointer_index(ptr, idx):
+            return None
+
+        def codegen(context, builder, sig, args):
+            index = context.cast(builder, args[1], sig.args[1], types.int64)
+            at = builder.ptrtoint(builder.gep(args[0], [index]), I64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [I64]),
+                               "{ .reg .u64 g; cvta.to.global.u64 g, $0; "
+                               "prefetch.global.L2 [g]; }", "l", side_effect=True)
+            builder.call(asm, [at])
+            return context.get_dummy_value()
+
+        return types.void(ptr, idx), codegen
+
+    return dict(prefetch_l2=prefetch_l2)
+
+
 def define_grid_dependency(intrinsic):
     """``wait_prior_grids()`` and ``release_dependents()``: PTX ``griddepcontrol.wait`` /
     ``griddepcontrol.launch_dependents`` (sm_90 and later; nothing below).  A kernel launched with

@@ -60,6 +60,7 @@ def build():
     shared.update(load_b128_stream=_llvm.define_stream_load(intrinsic))
     compiled.update(_llvm.define_ptx_red(intrinsic))   # NVVM refuses atomicrmw fadd
     compiled.update(_llvm.define_grid_dependency(intrinsic))
+    compiled.update(_llvm.define_l2_prefetch(intrinsic))
     shared.update(_llvm.define_fast_sigmoid(intrinsic, "nvidia"))
     return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="cuda", warp=WARP,
                            shared_alignment=16,

@@ -44,6 +44,12 @@ def _no_grid_dependency():
 
 
 @register_jitable
+def _no_prefetch(ptr, idx):
+    # nothing measured on AMD (gfx942 has no prefetch to the L2 alone): rows are read on demand
+    pass
+
+
+@register_jitable
 def _row_barrier(group, threads):
     # no named barriers on gfx942 / gfx950: the whole workgroup (callers keep the count uniform)
     hip.syncthreads()
@@ -80,5 +86,5 @@ def build(arch=None):
                            shared_alignment=None,
                            gpu=hip, jitable=register_jitable, row_barrier=_row_barrier,
                            wait_prior_grids=_no_grid_dependency,
-                           release_dependents=_no_grid_dependency,
+                           release_dependents=_no_grid_dependency, prefetch_l2=_no_prefetch,
                            **compiled, **shared)

@@ -235,6 +235,11 @@ def no_grid_dependency():
     pass
 
 
+def no_prefetch(ptr, idx):
+    # a cache hint: nothing to simulate (the index is not even checked, as on the GPU)
+    pass
+
+
 def _warp_state(warp, name, make):
     """(the state ``name`` of the running thread's warp, its lane): ``make(lanes)`` builds it once
     per warp of the running block (a block's last warp may be partial)."""
@@ -341,6 +346,6 @@ def build(warp):
                            store_b128=store_b128, store_b64=store_b64, store_b32=store_b32,
                            atomic_add_f32=atomic_add_f32, atomic_add_f32x4=atomic_add_f32x4,
                            row_barrier=row_barrier, wait_prior_grids=no_grid_dependency,
-                           release_dependents=no_grid_dependency,
+                           release_dependents=no_grid_dependency, prefetch_l2=no_prefetch,
                            # a cache hint changes where lines go, not what is read
                            load_b128_stream=load_b128, **vars(shared))

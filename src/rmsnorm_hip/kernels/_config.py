@@ -219,9 +219,13 @@ def fwd_programs(spec, m, sm_count, resident_per_sm):
 # a gated backward thread keeps x, z, dy, the weight and the dweight partial of its chunks: one
 # chunk a thread up to 512 threads, then more chunks at 512, in registers up to
 # GATED_BWD_MAX_CACHED_FLOATS each (a 512-thread block has 128 registers a thread); longer
-# group rows are read twice, a chunk at a time, their partial in the workspace
+# group rows are read twice, a chunk at a time.  Their dweight partial stays in registers up to
+# GATED_BWD_MAX_HELD_PARTIAL floats a thread, by vendor (16-bit G = 8192: 512 threads x 2
+# chunks; on AMD those rows spilled 6-13 VGPRs, so none there), else it lives in the slot's
+# workspace row, read and written back for every row
 GATED_BWD_MAX_THREADS = 512
 GATED_BWD_MAX_CACHED_FLOATS = 8
+GATED_BWD_MAX_HELD_PARTIAL = {"cuda": 16, "hip": 0}
 GATED_BWD_BLOCKS_PER_SM = 2     # slots of the persistent grid: this many blocks per SM
 # short group rows share blocks of up to this many threads (the 512-thread cap of 128 registers
 # spilled the any-alignment form of short rows, with the next row's words held)
@@ -238,6 +242,14 @@ class GatedBwdSpec:
     vector: bool
     recompute_rstd: bool
     gate: str               # "input" | "output" (FwdSpec.gate)
+    # the dweight partial in registers for the whole program (cached rows always), not in the
+    # slot's workspace row
+    held_partial: bool = True
+
+    def __post_init__(self):
+        if self.layout.cached and not self.held_partial:
+            raise ValueError("GatedBwdSpec: cached rows hold their dweight partial, got "
+                             "held_partial=False")
 
 
 def gated_bwd_layout(g, dtype):
@@ -245,11 +257,14 @@ def gated_bwd_layout(g, dtype):
     return _layout(g, dtype, 1, GATED_BWD_MAX_CACHED_FLOATS, GATED_BWD_MAX_THREADS)
 
 
-def gated_bwd_spec(g, dtype, weight, vector, recompute_rstd, gate):
+def gated_bwd_spec(g, dtype, weight, vector, recompute_rstd, gate, vendor="cuda"):
     layout = gated_bwd_layout(g, dtype)
     rows = max(1, GATED_BWD_SHARED_BLOCK_THREADS // layout.threads)
+    held = layout.cached or (layout.chunks_per_thread * layout.chunk
+                             <= GATED_BWD_MAX_HELD_PARTIAL[vendor])
     return GatedBwdSpec(layout=layout, rows=rows, dtype=dtype, weight=weight,
-                        vector=vector, recompute_rstd=recompute_rstd, gate=gate)
+                        vector=vector, recompute_rstd=recompute_rstd, gate=gate,
+                        held_partial=held)
 
 
 def gated_bwd_slots(spec, m, groups, sm_count):

@@ -31,7 +31,8 @@ class Variant:
             return (f"gated_bwd:{s.dtype}:w={s.weight or 'none'}:G={s.layout.n}:"
                     f"{'cached' if s.layout.cached else 'looped'}:"
                     f"{'vec' if s.vector else 'scalar'}:gate={s.gate}:"
-                    f"recompute={int(s.recompute_rstd)}")
+                    f"recompute={int(s.recompute_rstd)}"
+                    + ("" if s.held_partial else ":ws_partial"))
         if self.op == "qk":
             rope = f"{s.rope}:cache={s.cache}:pos={s.positions}" if s.rope else "none"
             return (f"qk:{s.dtype}:w={s.weight}:D={s.layout.n}:"
@@ -208,9 +209,9 @@ def heads_variants(ns=HEADS_REPRESENTATIVE_N, vendor="cuda"):
 
 
 # gated rows (and groups): a Mamba 2 group, multi-row ragged, one cached row, looped; the
-# backward's looped row at 8192 (the same code as at any longer row)
+# backward's looped rows at 8192 (the dweight partial in registers) and 16384 (in the workspace)
 GATED_REPRESENTATIVE_N = (128, 127, 4096, 65536)
-GATED_BWD_N = (128, 127, 4096, 8192)
+GATED_BWD_N = (128, 127, 4096, 8192, 16384)
 GATED_STREAM_N = (4096,)
 
 
@@ -239,7 +240,7 @@ def gated_variants(ns=GATED_REPRESENTATIVE_N, vendor="cuda"):
                                       rmsnorm_fwd.argtypes(spec))
                     if n in GATED_BWD_N:
                         spec = _config.gated_bwd_spec(n, dtype, weights[(k + 1) % len(weights)],
-                                                      vector, k % 2 == 1, gate)
+                                                      vector, k % 2 == 1, gate, vendor)
                         yield Variant("gated_bwd", gated_bwd.make_gated_bwd, spec,
                                       gated_bwd.argtypes(spec))
 

@@ -12,11 +12,13 @@ s' = sigmoid(z) * (1 + z * (1 - sigmoid(z))) and w = weight + weight_offset, per
 rstd is the forward's, or recomputed from h (x for the output gate) with eps.  Cached rows (a
 thread's share of a group row in registers) keep x, z and dy as the words of their 128-bit
 loads, decoded where used, and load the slot's next row while this one is reduced and its
-gradients stored.  The grid's
-blocks hold ``rows`` group rows each; block slot q (block * rows + row in block) takes group
-q % H of rows q // H, q // H + S, ... (S = slots / H, the grid sized so that H divides the
-slots), keeps its dweight partial of that group's G columns in registers and stores it to
-workspace row q // H at columns group * G: S partial rows, which kernels/rmsnorm_bwd's dweight
+gradients stored; looped rows (read twice, a chunk at a time) ask the L2 for the slot's next
+row instead (intrinsics prefetch_l2).  The grid's blocks hold ``rows`` group rows each; block
+slot q (block * rows + row in block) takes group q % H of rows q // H, q // H + S, ... (S =
+slots / H, the grid sized so that H divides the slots), keeps its dweight partial of that
+group's G columns in registers and stores it to workspace row q // H at columns group * G
+(looped rows with more than _config.GATED_BWD_MAX_HELD_PARTIAL floats a thread keep it in that
+row, read and written back per row): S partial rows, which kernels/rmsnorm_bwd's dweight
 reduction sums in row order.  A function of M, H and the device only (never of pointers or
 strides), so dweight is deterministic and every row's dx and dz are batch invariant.
 """
@@ -55,11 +57,17 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
     n, chunk, threads, rows = layout.n, layout.chunk, layout.threads, spec.rows
     per_thread, cached = layout.chunks_per_thread, layout.cached
     # floats a thread keeps per array: its whole share of the group row (cached), or one chunk,
-    # the row read twice (looped; the second read mostly from the L2)
+    # the row read twice (looped; the second read mostly from the L2).  The dweight partial of
+    # its whole share where it is held (GatedBwdSpec.held_partial), else one chunk's, read from
+    # the workspace and written back per row
     span = per_thread * chunk if cached else chunk
+    held_partial = spec.held_partial
+    unrolled = held_partial or per_thread <= 2      # looped rows (looped_row)
+    acc_span = per_thread * chunk if held_partial else chunk
     has_weight, recompute = bool(spec.weight), spec.recompute_rstd
     gated_input = spec.gate == "input"
     gpu, jitable, fma, sigmoid = intr.gpu, intr.jitable, intr.fma, intr.sigmoid
+    prefetch_l2 = intr.prefetch_l2
     shifted = _config.scalar_shifted(spec)
     io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector, shifted)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector, shifted)
@@ -107,9 +115,11 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         return sxg, ss
 
     @jitable
-    def gradients(f, lo, offset, r, c):
-        """One chunk's dx (into f.x), dz (into f.z) and dweight partial (f.acc), at ``lo``."""
-        for i in range(lo, lo + chunk):
+    def gradients(f, lo, offset, r, c, acc_lo):
+        """One chunk's dx (into f.x), dz (into f.z) at ``lo`` and dweight partial (f.acc at
+        ``acc_lo``)."""
+        for e in range(chunk):
+            i, a = lo + e, acc_lo + e
             sgm = sigmoid(f.z[i])
             sg = f.z[i] * sgm
             dsg = sgm * (float32(1.0) + f.z[i] * (float32(1.0) - sgm))     # silu'(z)
@@ -119,15 +129,15 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
                 dh = fma(-h_hat, c, g) * r
                 f.z[i] = (dh * f.x[i]) * dsg                         # dz
                 f.x[i] = dh * sg                                     # dx
-                f.acc[i] = fma(f.dy[i], h_hat, f.acc[i])
+                f.acc[a] = fma(f.dy[i], h_hat, f.acc[a])
             else:
-                e = f.dy[i] * sg
-                g = e * (f.w[i] + offset) if has_weight else e
+                ex = f.dy[i] * sg
+                g = ex * (f.w[i] + offset) if has_weight else ex
                 x_hat = f.x[i] * r
                 w = f.w[i] + offset if has_weight else float32(1.0)
                 f.z[i] = (f.dy[i] * (x_hat * w)) * dsg
                 f.x[i] = fma(-x_hat, c, g) * r
-                f.acc[i] = fma(e, x_hat, f.acc[i])
+                f.acc[a] = fma(ex, x_hat, f.acc[a])
 
     @jitable
     def store_chunk(call, outer, inner, col0, f, slot):
@@ -205,18 +215,34 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
             col0 = (tx + k * threads) * chunk
             if col0 < n:
                 decode_chunk(call, inner, tx, w, k, f)
-                gradients(f, k * chunk, offset, r, c)
+                gradients(f, k * chunk, offset, r, c, k * chunk)
                 store_chunk(call, outer, inner, col0, f, k * chunk)
+
+    @jitable
+    def prefetch_row(call, outer, inner, tx):
+        """Ask the L2 for this thread's chunks of x, z and dy of a looped group row read next:
+        they arrive while this row is reduced and its gradients stored (no registers held)."""
+        a, s = call.arrays, call.strides
+        for k in range(per_thread):
+            col0 = (tx + k * threads) * chunk
+            if col0 < n:
+                prefetch_l2(a.x, outer * s.x + inner * n + col0)
+                prefetch_l2(a.z, outer * s.z + inner * n + col0)
+                prefetch_l2(a.dy, outer * s.dy + inner * n + col0)
 
     @jitable
     def looped_row(call, outer, inner, live, tx, ty, parity, red, f, ws_start):
         """A looped group row, read twice a chunk at a time: dx and dz stored, the dweight
-        partial accumulated in the slot's workspace row.  Rows that are not live (past M) take
-        part in the block's reductions only."""
+        partial accumulated in f.acc where it is held, else in the slot's workspace row.  Rows
+        that are not live (past M) take part in the block's reductions only."""
         offset = call.weight_offset
         sxg = float32(0.0)
         ss = float32(0.0)
-        for k in range(per_thread):
+        # a held partial is indexed by chunk, and two chunks' loads fit: unrolled.  Else the
+        # trip count is hidden from the compiler (m >> 63 is 0): unrolled, four chunks' loads
+        # were hoisted and spilled (AMD, 16-bit G = 16384)
+        trips = per_thread if unrolled else per_thread + (call.m >> 63)
+        for k in range(trips):
             col0 = (tx + k * threads) * chunk
             load_chunk(call, outer, inner, live, col0, f, 0)
             sxg, ss = sums(f, 0, offset, sxg, ss)
@@ -224,14 +250,18 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         if not live:
             return
         c = sxg * r / n_f32
-        for k in range(per_thread):
+        for k in range(trips):
             col0 = (tx + k * threads) * chunk
             if col0 < n:
                 load_chunk(call, outer, inner, live, col0, f, 0)
-                load_ws(call.arrays.ws, ws_start, col0, f.acc, 0)
-                gradients(f, 0, offset, r, c)
-                store_chunk(call, outer, inner, col0, f, 0)
-                store_partial(call.arrays.ws, ws_start, col0, f, 0)
+                if held_partial:
+                    gradients(f, 0, offset, r, c, k * chunk)
+                    store_chunk(call, outer, inner, col0, f, 0)
+                else:
+                    load_ws(call.arrays.ws, ws_start, col0, f.acc, 0)
+                    gradients(f, 0, offset, r, c, 0)
+                    store_chunk(call, outer, inner, col0, f, 0)
+                    store_partial(call.arrays.ws, ws_start, col0, f, 0)
 
     def gated_bwd(dy, x, z, weight, rstd, dx, dz, ws, m, groups, slots, dy_stride, x_stride,
                   z_stride, dx_stride, dz_stride, eps, weight_offset):
@@ -244,7 +274,7 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
             red = gpu.shared.array(red_shape, float32)
         f = Floats(gpu.local.array(span, float32), gpu.local.array(span, float32),
                    gpu.local.array(span, float32), gpu.local.array(span, float32),
-                   gpu.local.array(span, float32))
+                   gpu.local.array(acc_span, float32))
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
         slot = int64(gpu.blockIdx.x) * rows + ty
@@ -252,9 +282,9 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         first = slot // groups          # the slot's first full row, and its partial row
         step = slots // groups
         ws_start = first * (groups * n) + group * n
-        for i in range(span):
+        for i in range(acc_span):
             f.acc[i] = float32(0.0)
-        if not cached:  # the workspace row holds the partial: zeros first (a thread its own)
+        if not held_partial:    # the workspace row holds the partial: zeros first (its own)
             for k in range(per_thread):
                 store_partial(ws, ws_start, (tx + k * threads) * chunk, f, 0)
         # every row of a block runs the block's most iterations: they share its barriers
@@ -282,10 +312,12 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         else:
             for it in range(most):
                 outer = first + it * step
+                if outer + step < m:
+                    prefetch_row(call, outer + step, group, tx)
                 looped_row(call, outer, group, outer < m, tx, ty, parity, red, f, ws_start)
                 if not recompute:
                     parity ^= 1
-        if cached:
+        if held_partial:
             for k in range(per_thread):
                 store_partial(ws, ws_start, (tx + k * threads) * chunk, f, k * chunk)
 
