@@ -63,6 +63,10 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
     span = per_thread * chunk if cached else chunk
     held_partial = spec.held_partial
     unrolled = held_partial or per_thread <= 2      # looped rows (looped_row)
+    # looped rows ask the L2 for their slot's next row (prefetch_row), but for a held partial of
+    # more than two chunks, where the prefetches' addresses spilled (sm_90: float32 G = 8192,
+    # 24 bytes)
+    prefetch = per_thread <= 2 or not held_partial
     acc_span = per_thread * chunk if held_partial else chunk
     has_weight, recompute = bool(spec.weight), spec.recompute_rstd
     gated_input = spec.gate == "input"
@@ -312,7 +316,7 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         else:
             for it in range(most):
                 outer = first + it * step
-                if outer + step < m:
+                if prefetch and outer + step < m:
                     prefetch_row(call, outer + step, group, tx)
                 looped_row(call, outer, group, outer < m, tx, ty, parity, red, f, ws_start)
                 if not recompute:
