@@ -258,13 +258,11 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
             col0 = (tx + k * threads) * chunk
             if col0 < n:
                 load_chunk(call, outer, inner, live, col0, f, 0)
-                if held_partial:
-                    gradients(f, 0, offset, r, c, k * chunk)
-                    store_chunk(call, outer, inner, col0, f, 0)
-                else:
+                if not held_partial:
                     load_ws(call.arrays.ws, ws_start, col0, f.acc, 0)
-                    gradients(f, 0, offset, r, c, 0)
-                    store_chunk(call, outer, inner, col0, f, 0)
+                gradients(f, 0, offset, r, c, k * chunk if held_partial else 0)
+                store_chunk(call, outer, inner, col0, f, 0)
+                if not held_partial:
                     store_partial(call.arrays.ws, ws_start, col0, f, 0)
 
     def gated_bwd(dy, x, z, weight, rstd, dx, dz, ws, m, groups, slots, dy_stride, x_stride,
