@@ -4,7 +4,7 @@ benchmark measures) of a torch device-to-device copy that moves the bytes an op 
 read-only flush.  What no kernel of that op and shape is expected to beat: at small shapes the
 write flush's dirty lines and the launch ramp cost a copy too.  Each case is timed twice and the
 first timing discarded, as the benchmark's warm-up pass does (runner._warm_up; the first
-ceilings, results/tune_h200_20261130_s7/, timed once right after a larger case, came out below
+ceilings, results/tune_h200_20261130a/, timed once right after a larger case, came out below
 what the forward later reached).
 Writes copy_same_bytes{tag}.json.
 

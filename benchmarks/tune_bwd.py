@@ -9,31 +9,31 @@ spread.  Prints one JSON line per (shape, setting) and writes them to --out (def
         [--shapes 4096x4096,...] [--flush write|read] [--no-weight] [--tag _suffix]
 
 Earlier runs also took settings whose knobs have since been removed or stayed on their branch
-(docs/performance.md has what they measured).  In results/tune_h200_20261130_s10/: ``tail`` /
+(docs/performance.md has what they measured).  In results/tune_h200_20261130d/: ``tail`` /
 ``two_kernel`` (branch exp/tail-reduce) and ``p_fit`` / ``p_balanced`` / ``p_128max`` (the
 grid's programs: as many as fit, the fewest that keep the most row blocks a program takes, at
-most 128).  In tune_h200_20261130_s11/: ``paired`` / ``unpaired`` and the timing-only ablations
+most 128).  In tune_h200_20261130e/: ``paired`` / ``unpaired`` and the timing-only ablations
 ``full`` / ``no_ws_store`` / ``no_weight_load`` / ``rows_first`` (branch exp/paired-rows);
-``--no-weight`` times dx alone (what the dweight costs a call).  In tune_h200_20261130_s12/:
+``--no-weight`` times dx alone (what the dweight costs a call).  In tune_h200_20261130f/:
 ``shallow`` / ``deep`` (one or two rows of words ahead, branch exp/deep-prefetch), ``vector_red``
 / ``scalar_red`` (a row's warp partials read 4 at a time or one at a time, with the kernel cache
 cleared per setting), and ``before_fix`` / ``cache_wide`` / ``cache_narrow`` on 1024-thread rows
 of 2 chunks (float32 N = 8192, 16-bit N = 16384: loads ahead of the reduction or not, cached or
-looped).  In tune_h200_20261130_s13/: ``narrow`` / ``wide`` (branch exp/wide2), ``hold_w`` /
-``load_w`` and ``fp32_cached`` / ``fp32_looped``.  In tune_h200_20261130_s14/: ``narrow`` /
+looped).  In tune_h200_20261130g/: ``narrow`` / ``wide`` (branch exp/wide2), ``hold_w`` /
+``load_w`` and ``fp32_cached`` / ``fp32_looped``.  In tune_h200_20261130h/: ``narrow`` /
 ``one_block`` (1024-thread rows as 512 x 2 in one block per SM; the first run with an earlier
-form of the knob), ``two_chunk`` and ``mid``.  In tune_h200_20261201_s16/: ``cluster_eight`` /
+form of the knob), ``two_chunk`` and ``mid``.  In tune_h200_20261201b/: ``cluster_eight`` /
 ``_four`` / ``_two`` / ``_one`` / ``no_cluster`` (the partial rows summed across a thread-block
 cluster first: the knobs, and benchmarks/check_cluster.py, are on branch exp/cluster-combine)
-and ``p_fit`` / ``p_balanced`` / ``p_round``.  In tune_h200_20261201_s17/: ``reduce_g*_b*`` (the
+and ``p_fit`` / ``p_balanced`` / ``p_round``.  In tune_h200_20261201c/: ``reduce_g*_b*`` (the
 reduction's loads in one round or not) and ``paired`` / ``unpaired`` (BWD_PAIRED_ROWS; checked
-on the GPU by a script since removed).  In tune_h200_20261202_s18/: ``stream_off`` /
+on the GPU by a script since removed).  In tune_h200_20261202a/: ``stream_off`` /
 ``stream_cs`` and ``stream_ef`` / ``stream_cs_st`` / ``stream_ef_st`` / ``stream_st_only`` (an
 L2 evict-first policy instead of ld.global.cs, and the dx stores hinted).  In
-tune_h200_20261202_s20/: ``det`` / ``atomic`` (dweight by float32 atomics at every M, called
+tune_h200_20261202c/: ``det`` / ``atomic`` (dweight by float32 atomics at every M, called
 with deterministic=False; the first runs before the thresholds existed) and ``nondet``
 (deterministic=False as shipped); ``--wdtype float32`` gives 16-bit rows a float32 weight.  In
-tune_h200_20261203_s22/: ``early_dw`` / ``late_dw`` / ``early_fit`` (BWD_EARLY_DWEIGHT).
+tune_h200_20261203a/: ``early_dw`` / ``late_dw`` / ``early_fit`` (BWD_EARLY_DWEIGHT).
 """
 import argparse
 import json

@@ -44,7 +44,7 @@ def main():
                                    for o in args.offsets.split(",")):
                 _config.QUANT_CHUNKS_PER_THREAD["cuda"] = {2: chunks, 4: chunks}
                 # runners hold their plans: without this every setting ran the first one's kernel
-                # (the run in results/tune_h200_20261130_s9/tune_quant_chunks2.json)
+                # (the run in results/tune_h200_20261130c/tune_quant_chunks2.json)
                 rmsnorm_hip.functional.forget_plans()
                 w_call = (w.float() - offset).to(torch.bfloat16) if offset else w
                 call = lambda: rmsnorm_hip.rms_norm_quant(x, w_call, 1e-6, xscale=xscale,  # noqa

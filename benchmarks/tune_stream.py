@@ -25,7 +25,7 @@ A trailing digit repeats a variant (``stream2``).  Earlier runs also measured, w
 removed (docs/performance.md): programs capped at 2 and 4 per SM and __launch_bounds__ minimums
 of 4 and 5 blocks per SM (f07515d); a 5-block minimum for streamed quantised rows and the weight
 loads of a small batch's rows issued unbranched (``stream_early``; in the run of
-results/tune_h200_20261130_s9/, before that knob was removed, ``stream_loaded`` had them up to 64
+results/tune_h200_20261130c/, before that knob was removed, ``stream_loaded`` had them up to 64
 rows per SM and ``stream_loaded_late`` never); streamed quantised rows capped at 2 and 3 programs
 per SM (``stream_cap2``, ``stream_cap3``); and ``scalar_red`` against ``shipped`` (a row's warp
 partials read one float at a time from shared memory, against 4 at a time).

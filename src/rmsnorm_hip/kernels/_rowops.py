@@ -324,7 +324,7 @@ def reduce_buffer_shape(intr, bufs, rows, threads):
     compiler reads them 4 at a time (a 1024-thread row: 8 ld.shared.v4 a thread instead of 32
     ld.shared.f32, each of which holds the SM's shared-memory pipe a cycle per warp).  The same
     additions in the same order: the same bits.  H200, 4 at a time / one at a time, two runs each
-    (results/tune_h200_20261130_s12/*_vred.json; docs/performance.md): level at most
+    (docs/performance.md): level at most
     shapes, ahead at a few (backward 2048x8192 70.3-70.6 / 67.8-68.1% of copy, dresidual
     4096x4096 80.0-80.6 / 78.5-79.3, fused add 4096x4096 89.1-91.1 / 87.5-87.8)."""
     warps = ceil_div(threads, intr.warp)
