@@ -4,7 +4,7 @@
 #
 #   bash .ci/rocm-env.sh          # as root; prints the chroot's path on its last line
 #
-# What it is (see ../shared/research/rocm-compile-only/FINDINGS.md for why):
+# What it is:
 #   - a Debian sid chroot (debootstrap) with ROCm 7.2.4's COMGR and hipRTC builtins from Debian
 #     experimental and LLVM 22's libclang from sid, at the exact versions pinned below.  Needed
 #     because numba-hip loads COMGR (not on PyPI) and these need glibc >= 2.38 (bookworm: 2.36);

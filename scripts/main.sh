@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    .venv/bin/python -m pip install -q -e '.[cuda,bench]'
+    # the GPU bench times kernels through torch's profiler (CUPTI)
+    .venv/bin/python -m pip install -q -e '.[cuda,bench,torch]'
 else
     .venv/bin/python -m pip install -q -e '.[bench]'
 fi

@@ -172,7 +172,7 @@ CASES = [
                                                   dict(dtype="bfloat16")), TypeError,
          r"rms_norm: weight must have dtype bfloat16 or float32 .*got float16"),
     Case("backend_unknown", lambda r: ((f32(r),), {}), ValueError,
-         r"RMSNORM_HIP_BACKEND must be one of cuda, hip, cpu, sim, got 'bogus'",
+         r"rms_norm: RMSNORM_HIP_BACKEND must be one of cuda, hip, cpu, sim, got 'bogus'",
          env={"RMSNORM_HIP_BACKEND": "bogus"}),
     Case("backend_cuda_numpy", lambda r: ((f32(r),), {}), ValueError,
          r"rms_norm: RMSNORM_HIP_BACKEND=cuda needs device arrays, got host \(NumPy\) memory",
@@ -574,7 +574,8 @@ CASES += [
          r"rms_norm_backward: RMSNORM_HIP_BACKEND=cuda needs device arrays",
          env={"RMSNORM_HIP_BACKEND": "cuda"}, fn=BW),
     Case("bwd_backend_unknown", lambda r: ((f32(r), f32(r)), {}), ValueError,
-         r"RMSNORM_HIP_BACKEND must be one of cuda, hip, cpu, sim, got 'rocm'",
+         r"rms_norm_backward: RMSNORM_HIP_BACKEND must be one of cuda, hip, cpu, sim, "
+                     r"got 'rocm'",
          env={"RMSNORM_HIP_BACKEND": "rocm"}, fn=BW),
 ]
 

@@ -153,20 +153,26 @@ def scheme(fn, quant, n, group_size, scale_format, scale_layout, scale):
                              f"{scale_layout!r}")
         return "static", 0
     if group is None:
-        raise ValueError(f"{fn}: scale_format={scale_format!r} and scale_layout="
-                         f"{scale_layout!r} apply to group scales: give group_size")
+        given = [f"{name}={value!r}" for name, value, default in (
+            ("scale_format", scale_format, "float32"), ("scale_layout", scale_layout, "row"))
+            if value != default]
+        raise ValueError(f"{fn}: {' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} "
+                         f"to group scales: give group_size")
     return ("ue8m0" if scale_format == "ue8m0" else "group"), group
 
 
 def _group(value, n, fn):
     lo, hi = _config.QUANT_GROUP_MIN, _config.QUANT_GROUP_MAX
+    message = (f"{fn}: group_size must be a power of two from {lo} to {hi} that divides N = "
+               f"{n}, got {value!r}")
     try:
         size = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         size = None
-    if size is None or not lo <= size <= hi or size & (size - 1) or n % size:
-        raise ValueError(f"{fn}: group_size must be a power of two from {lo} to {hi} that "
-                         f"divides N = {n}, got {value!r}")
+    if size is None:
+        raise TypeError(message)
+    if not lo <= size <= hi or size & (size - 1) or n % size:
+        raise ValueError(message)
     return size
 
 
@@ -206,9 +212,12 @@ def _static_scale(scale, xi, fn):
         return None, scale_number(scale, fn)
     info = _arrays.describe(scale, "scale", None, fn)
     _validate.same_place(info, xi, fn, "scale")
-    if info.dtype != _dtypes.FLOAT32 or math.prod(info.shape) != 1:
-        raise ValueError(f"{fn}: scale must be a float32 number or a float32 array of one "
-                         f"element, got {info.dtype} of shape {tuple(info.shape)}")
+    if info.dtype != _dtypes.FLOAT32:
+        raise TypeError(f"{fn}: scale must be a number or a float32 array of one element, "
+                        f"got a {info.dtype} array")
+    if math.prod(info.shape) != 1:
+        raise ValueError(f"{fn}: scale must be a number or a float32 array of one element, "
+                         f"got shape {tuple(info.shape)}")
     return info, 0.0
 
 

@@ -20,7 +20,7 @@ def _version(pkg):
 
 def detect():
     """(backend name, device description) of the best backend on this machine."""
-    forced = backends.requested()
+    forced = backends.requested("rmsnorm-hip")
     if forced in ("cpu", "sim"):
         return forced, "host"
     if forced in (None, "cuda"):
@@ -168,7 +168,7 @@ class _Case:
 
 def cmd_check(args):
     name, device = detect()
-    forced = backends.requested()
+    forced = backends.requested("rmsnorm-hip")
     if forced in ("cuda", "hip") and name != forced:
         print(f"rmsnorm-hip check: {backends.ENV}={forced}, but no {forced.upper()} device was "
               f"found (unset it to check the {name} backend)", file=sys.stderr)
@@ -295,6 +295,14 @@ _PASS_THROUGH = {"bench": cmd_bench, "compile": cmd_compile}
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    except BrokenPipeError:     # `rmsnorm-hip info | head`: the reader left; so do we, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in _PASS_THROUGH:  # their own argparse owns every option after the verb
         return _PASS_THROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))

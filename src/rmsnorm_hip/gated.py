@@ -78,13 +78,15 @@ def _group_size(value, n, fn):
     """The columns normalised together: N for None, else a divisor of N (any integer type)."""
     if value is None:
         return n
+    message = f"{fn}: group_size must be None or an integer dividing N = {n}, got {value!r}"
     try:
-        size = operator.index(value)
+        size = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         size = None
-    if isinstance(value, bool) or size is None or size < 1 or n % size:
-        raise ValueError(f"{fn}: group_size must be None or an integer dividing N = {n}, got "
-                         f"{value!r}")
+    if size is None:
+        raise TypeError(message)
+    if size < 1 or n % size:
+        raise ValueError(message)
     return size
 
 

@@ -14,8 +14,8 @@ import sys
 
 from . import ops, table, targets
 
-# The H200 cases of research/peers-h200.md per op: large, mid and small row counts, one N that is
-# no power of two, and float32.
+# The H200 cases per op: large, mid and small row counts, one N that is no power of two, and
+# float32.
 _LLM = ((32768, 4096), (16384, 8192), (8192, 8192), (4096, 4096), (1024, 8192))
 _QK = tuple((M, N, "bfloat16") for M, N in ((32768, 128), (8192, 128), (2048, 128), (8192, 64),
                                               (8192, 256))) + ((8192, 128, "float32"),)
@@ -90,8 +90,13 @@ def run(op=None, shapes=None, dtypes=None, json_path=None, plot_path=None, compa
         raise ValueError(f"run: op must be 'all' or one of {sorted(ops.OPS)}, got {op!r}")
     target = targets.make_target(device, flush_mode=flush, iters=iters)
     if target.name == "cpu" and device == "auto" and progress:
-        print("rmsnorm-hip bench: no CUDA GPU found (through torch): timing the CPU backend "
-              "against NumPy, wall-clock", file=sys.stderr, flush=True)
+        try:
+            import torch  # noqa: F401
+            why = "torch sees no CUDA GPU"
+        except ImportError:
+            why = "torch is not installed (the GPU timing runs through it: pip install torch)"
+        print(f"rmsnorm-hip bench: {why}: timing the CPU backend against NumPy, wall-clock",
+              file=sys.stderr, flush=True)
     if op == "all":
         return _run_all(target, shapes, dtypes, json_path, plot_path, compare, progress, iters,
                         flush, host_overhead, seed, print_table)
@@ -429,7 +434,8 @@ def _parser():
     parser.add_argument("--iters", type=int, default=None,
                         help="profiled calls per timing (CUDA; default 20, --decode 10)")
     parser.add_argument("--flush", default="write", choices=("write", "read"),
-                        help="L2 flush kernel: 'write' (add, as research/peers-h200.md) or 'read'")
+                        help="L2 flush kernel: 'write' (buf.add_(1), as published peer figures are "
+                             "measured) or 'read' (buf.sum(): clean lines)")
     parser.add_argument("--no-host", dest="host_overhead", action="store_false",
                         help="skip the small-M host-overhead cases (--decode: the host figure)")
     parser.add_argument("--seed", type=int, default=0)

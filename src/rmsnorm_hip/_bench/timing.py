@@ -20,9 +20,9 @@ COPY_BYTES = 2 * 1024**3  # 2 GiB read + 2 GiB written: about 1 ms on an H200, f
 class L2Flush:
     """Evicts the L2 cache with one kernel over a 256 MB buffer; `kernel_names` tells it apart.
 
-    mode "write" (`buf.add_(1)`) is the flush the peer numbers in research/peers-h200.md were
-    measured with; it leaves the L2 full of dirty lines that the timed kernel must write back
-    (worth up to ~10% of copy bandwidth at 4096x4096, research/numba-probe/BACKWARD.md).
+    mode "write" (`buf.add_(1)`) is the flush the peers' published numbers are measured with;
+    it leaves the L2 full of dirty lines that the timed kernel must write back (worth up to ~10%
+    of copy bandwidth at 4096x4096: docs/performance.md, Method).
     mode "read" (row sums into a 256 KB buffer) leaves clean lines and measures the kernel alone.
     """
 

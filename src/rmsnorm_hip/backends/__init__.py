@@ -39,16 +39,17 @@ def _create(name, device_index):
     raise ValueError(f"unknown backend {name!r}")
 
 
-def requested():
+def requested(fn="rmsnorm_hip"):
+    """The backend RMSNORM_HIP_BACKEND names, or None; ``fn`` heads the error."""
     name = os.environ.get(ENV, "").strip().lower()
     if name and name not in NAMES:
-        raise ValueError(f"{ENV} must be one of {', '.join(NAMES)}, got {name!r}")
+        raise ValueError(f"{fn}: {ENV} must be one of {', '.join(NAMES)}, got {name!r}")
     return name or None
 
 
 def for_array(info, fn):
     """The backend that runs a call whose x is ``info``."""
-    name = requested()
+    name = requested(fn)
     if info.device == "cpu":
         if name in ("cuda", "hip"):
             raise ValueError(f"{fn}: {ENV}={name} needs device arrays, got host (NumPy) memory; "

@@ -83,8 +83,8 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
     # packed (cached vector rows, and 16-bit scalar rows of 2 chunks): x and dy stay between the
     # passes as the loaded words (4 registers per chunk instead of 8 floats), re-decoded in
     # pass 2; with the weight and the dweight partial that is 24 registers of row state per
-    # thread, which lets two 512-thread blocks share an SM (research/numba-probe/BACKWARD.md:
-    # 95% of copy at 32768x4096 with 2 blocks per SM, 76% with 1).  The float32 operations are
+    # thread, which lets two 512-thread blocks share an SM (95% of copy at 32768x4096 with 2
+    # blocks per SM, 76% with 1).  The float32 operations are
     # the same either way: packed and unpacked rows give the same bits.
     packed = spec.packed
     words = per_thread * 4 if packed else 1
