@@ -38,8 +38,10 @@ def poisoned(monkeypatch):
 
 
 # plus several rows of at most a warp per block on the packed path (a row reduction without a
-# barrier), as a training step's N=128 activations take it
-@pytest.mark.parametrize("m,n", SHAPES + [(2048, 128), (333, 1024)], ids=lambda v: str(v))
+# barrier), as a training step's N=128 activations take it, and dweight from the column
+# programs of 640-thread rows (16-bit N = 5120, float32 2560; given rstd)
+@pytest.mark.parametrize("m,n", SHAPES + [(2048, 128), (333, 1024), (33, 5120), (33, 2560)],
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight", ["same", None, "float32"])
 @pytest.mark.parametrize("given_rstd", [True, False], ids=["rstd", "recompute"])

@@ -414,8 +414,8 @@ BWD_COLUMN_DWEIGHT_MAX_ELEMENTS = 1 << 20
 # columns a program) and walk the rows in threads // BWD_COLUMN_CHUNKS groups
 BWD_COLUMN_CHUNKS = 8
 # ...in blocks of at most this many threads: 1024-thread rows (16-bit N = 16384) spilled out of
-# their 64 registers with the column path beside the row's
-BWD_COLUMN_MAX_THREADS = 512
+# their 64 registers with the column path beside the row's; 640 (16-bit N = 5120) keep 96
+BWD_COLUMN_MAX_THREADS = 640
 
 
 def bwd_column_dweight(n, dtype, weight, recompute_rstd, m, vendor="cuda"):

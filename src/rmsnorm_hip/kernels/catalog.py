@@ -15,6 +15,9 @@ FWD_REPRESENTATIVE_N = (8, 127, 4096, 5000, 8192, 65536)
 # loaded per chunk, words in the scalar form too) and x 4 (float32: aot.SM90_SPILL_ALLOWANCE)),
 # looped
 BWD_REPRESENTATIVE_N = (127, 4096, 8192, 16384, 65536)
+# ...and the column programs' widest blocks (bwd_column_dweight): rows of 10 KB, 640 threads of one
+# 16-byte chunk (16-bit N = 5120, float32 2560), whose other kernels are those of the sizes above
+BWD_COLUMN_ROW_BYTES = 10240
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,9 @@ def _weights(dtype):
 
 def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
     for dtype in _dtypes.ACTIVATION_DTYPES:
-        for n in ns:
+        column_n = BWD_COLUMN_ROW_BYTES // _dtypes.ITEMSIZE[dtype]
+        for n in ns + (column_n,):
+            columns_only = n == column_n
             layout = _config.bwd_row_layout(n, dtype, vendor)
             for weight in _weights(dtype):
                 for vector in ([True, False] if n % layout.chunk == 0 else [False]):
@@ -153,14 +158,17 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
                             # dweight from the kernel (bwd_direct_dweight)
                             atomics = ((False, True) if _config.BWD_ATOMIC_DWEIGHT[vendor]
                                        else (False,))
-                            specs = {_config.bwd_kernel_spec(_config.bwd_spec(
-                                         n, dtype, weight, vector, recompute, dres, vendor, pair,
-                                         stream, atomic))
-                                     for pair in (True, False) for stream in (True, False)
-                                     for atomic in atomics}
-                            specs.add(_config.bwd_spec(
-                                n, dtype, weight, vector, recompute, dres, vendor, pair=False,
-                                stream=_config.bwd_stream_rows(1, n, dtype, vendor), direct=True))
+                            specs = set() if columns_only else {
+                                _config.bwd_kernel_spec(_config.bwd_spec(
+                                    n, dtype, weight, vector, recompute, dres, vendor, pair,
+                                    stream, atomic))
+                                for pair in (True, False) for stream in (True, False)
+                                for atomic in atomics}
+                            if not columns_only:
+                                specs.add(_config.bwd_spec(
+                                    n, dtype, weight, vector, recompute, dres, vendor,
+                                    pair=False, stream=_config.bwd_stream_rows(1, n, dtype, vendor),
+                                    direct=True))
                             # calls of few rows with the forward's rstd: dweight from column
                             # programs (bwd_column_dweight), rows at one or two strides
                             if _config.bwd_column_dweight(n, dtype, weight, recompute, 2, vendor):
