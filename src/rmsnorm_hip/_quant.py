@@ -3,7 +3,6 @@ UE8M0 powers of two, rows or DeepGEMM's column-major layout), a static scale, an
 formats MXFP8 / MXFP4.  Validation and allocation happen here, before any launch; the kernels are
 the quantised forward's row body (kernels/rmsnorm_fwd.py, FwdSpec.scaling)."""
 import math
-import operator
 import sys
 
 import numpy as np
@@ -165,10 +164,7 @@ def _group(value, n, fn):
     lo, hi = _config.QUANT_GROUP_MIN, _config.QUANT_GROUP_MAX
     message = (f"{fn}: group_size must be a power of two from {lo} to {hi} that divides N = "
                f"{n}, got {value!r}")
-    try:
-        size = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        size = None
+    size = _validate.integer(value)
     if size is None:
         raise TypeError(message)
     if not lo <= size <= hi or size & (size - 1) or n % size:

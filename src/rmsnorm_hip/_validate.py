@@ -2,6 +2,7 @@
 the argument, what was expected and what was given.  Types raise TypeError; shapes, strides,
 dtype combinations, devices and values raise ValueError.  Nothing is launched before these pass."""
 import math
+import operator
 
 import numpy as np
 
@@ -357,3 +358,13 @@ def quant_dtype(value, fn):
         raise ValueError(f"{fn}: quant_dtype must be 'int8', 'float8_e4m3fn', 'mxfp8_e4m3' or "
                          f"'mxfp4_e2m1', got {value!r}")
     return name
+
+
+def integer(value):
+    """``value`` as an int when it is an integer of any integer type (a bool is not), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

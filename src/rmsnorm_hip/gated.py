@@ -2,7 +2,6 @@
 ``silu(z)`` before or after it, optionally over groups of columns.  Validation happens here,
 before any launch; the forward is the shared row kernel (kernels/rmsnorm_fwd.py, FwdSpec.gate),
 the backward kernels/gated_bwd.py."""
-import operator
 
 from . import _arrays, _dtypes, _validate, backends
 from .functional import (_backend_env, _gated_runners, _keep_runner, _rows_of_x, _runner,
@@ -79,10 +78,7 @@ def _group_size(value, n, fn):
     if value is None:
         return n
     message = f"{fn}: group_size must be None or an integer dividing N = {n}, got {value!r}"
-    try:
-        size = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        size = None
+    size = _validate.integer(value)
     if size is None:
         raise TypeError(message)
     if size < 1 or n % size:

@@ -158,13 +158,13 @@ def bwd_variants(ns=BWD_REPRESENTATIVE_N, vendor="cuda"):
                             # dweight from the kernel (bwd_direct_dweight)
                             atomics = ((False, True) if _config.BWD_ATOMIC_DWEIGHT[vendor]
                                        else (False,))
-                            specs = set() if columns_only else {
-                                _config.bwd_kernel_spec(_config.bwd_spec(
-                                    n, dtype, weight, vector, recompute, dres, vendor, pair,
-                                    stream, atomic))
-                                for pair in (True, False) for stream in (True, False)
-                                for atomic in atomics}
+                            specs = set()
                             if not columns_only:
+                                specs = {_config.bwd_kernel_spec(_config.bwd_spec(
+                                             n, dtype, weight, vector, recompute, dres, vendor,
+                                             pair, stream, atomic))
+                                         for pair in (True, False) for stream in (True, False)
+                                         for atomic in atomics}
                                 specs.add(_config.bwd_spec(
                                     n, dtype, weight, vector, recompute, dres, vendor,
                                     pair=False, stream=_config.bwd_stream_rows(1, n, dtype, vendor),
