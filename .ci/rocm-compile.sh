@@ -15,7 +15,7 @@
 # global_store_dwordx4, a main kernel (vector path, one cached row per block) over 64 VGPRs, a
 # kernel whose block cannot be resident with its VGPRs (src/rmsnorm_hip/aot.py), or when the
 # environment cannot be built.  The reports are written either way.  Needs root.
-# Measured on this 2-core machine: environment 61-99 s cold / 2-3 s warm; compiles 715 s for 823
+# Measured on this 2-core machine: environment 56-99 s cold / 2-3 s warm; compiles 582 s for 841
 # variants x 2 arches alone (two worker processes), longer beside the full pytest tier in CI.
 set -Eeuo pipefail
 

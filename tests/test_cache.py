@@ -226,3 +226,54 @@ def test_cpu_concurrent_first_calls_every_entry_point(fresh, monkeypatch, rng, o
             ok = (_numerics.dx_within_contract(out[0], dx_ref, s, "bfloat16")[0]
                   and _numerics.dweight_within_contract(out[1], dw_ref, "float32"))
         assert ok, f"thread on rows {x.shape[0]}: result outside the contract"
+
+
+def _kernel_over(scale, offset, late=False):
+    """A builder's shape: helpers closing over spec values, a kernel closing over the helpers
+    (``late``: a helper whose cell is bound only after it is defined)."""
+    def inner(v):
+        return v * scale
+
+    def outer(v):
+        return inner(v) + offset
+
+    def kernel(v):
+        return outer(v) + (after(v) if late else 0.0)
+
+    if late:
+        def after(v):
+            return v
+    return kernel, outer, inner
+
+
+def test_helpers_equal_in_code_and_values_are_shared():
+    """kernels._sharing.share_helpers: a second kernel whose helpers close over equal values
+    calls the first kernel's helpers (so numba compiles them once); a helper over other values
+    (-0.0 against 0.0 included) stays its own, as does a kernel's own closure; the kernels
+    compute what they did."""
+    from rmsnorm_hip.kernels._sharing import share_helpers
+
+    def helpers(kernel):    # name -> value of the closure's bound cells
+        bound = {}
+        for name, cell in zip(kernel.__code__.co_freevars, kernel.__closure__):
+            try:
+                bound[name] = cell.cell_contents
+            except ValueError:
+                pass
+        return bound
+
+    first, second, other, signed = (_kernel_over(*args) for args in
+                                    ((2.0, 1.0), (2.0, 1.0), (3.0, 1.0), (2.0, -0.0)))
+    zero = _kernel_over(2.0, 0.0)
+    for kernel, _, _ in (first, second, other, signed, zero):
+        share_helpers(kernel)
+    assert helpers(second[0])["outer"] is first[1]
+    assert helpers(other[0])["outer"] is other[1] and other[1] is not first[1]
+    assert helpers(zero[0])["outer"] is zero[1]
+    assert helpers(signed[0])["outer"] is signed[1]
+    # outer's own inner (over 2.0) is the first kernel's inner, whatever offset outer has
+    assert signed[1].__closure__[0].cell_contents is first[2]
+    assert [k[0](1.5) for k in (first, second, other, signed, zero)] == [4.0, 4.0, 5.5, 3.0, 3.0]
+    late = _kernel_over(2.0, 1.0, late=True)
+    share_helpers(late[0])
+    assert late[0](1.5) == 5.5 and helpers(late[0])["outer"] is first[1]

@@ -21,6 +21,7 @@ from numba.core.runtime import rtsys
 
 from .. import _cache, _diskcache, _dtypes, intrinsics
 from ..kernels import cpu_rmsnorm
+from ..kernels._sharing import share_helpers
 
 # below ~1M elements one thread beats handing rows out (2-core CI VM: 64x4096 bf16 serial
 # 0.2-0.3 ms)
@@ -204,6 +205,7 @@ class CpuBackend:
 
     def _build(self, key, builder, spec):
         dispatcher = builder(self.intrinsics, *spec)
+        share_helpers(dispatcher.py_func)
         dispatcher._cache = NumbaDiskCache(key)
         return dispatcher
 

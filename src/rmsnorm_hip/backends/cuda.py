@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from .. import _compat  # noqa: F401
 from .. import _diskcache, intrinsics
 from ..kernels import _config
+from ..kernels._sharing import share_helpers
 from ._argpack import ArgPack
 from ._gpu import GpuBackend
 
@@ -67,7 +68,7 @@ def variant_ptx(builder, spec, argtypes, cc, intr=None):
     key = (builder.__module__, builder.__name__, spec, tuple(map(str, argtypes)), tuple(cc))
 
     def build():
-        pyfunc = builder(intr or intrinsics.load("cuda"), spec)
+        pyfunc = share_helpers(builder(intr or intrinsics.load("cuda"), spec))
         return compile_ptx(pyfunc, argtypes, cc, *_config.launch_bounds(spec))
     return _diskcache.cached("ptx", key, build, encode=lambda r: json.dumps(r).encode(),
                              decode=lambda b: tuple(json.loads(b)))

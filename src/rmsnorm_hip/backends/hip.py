@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 from .. import _diskcache, intrinsics
+from ..kernels._sharing import share_helpers
 from ._argpack import ArgPack
 from ._gpu import GpuBackend
 
@@ -232,7 +233,7 @@ def variant_code_objects(builder, spec, argtypes, archs, intr=None, listing=True
            intr.name, tuple(sorted(intr.features)))
 
     def build():
-        return compile_code_objects(builder(intr, spec), argtypes, archs, listing)
+        return compile_code_objects(share_helpers(builder(intr, spec)), argtypes, archs, listing)
     return _diskcache.cached("hsaco", key, build, encode=pickle.dumps, decode=pickle.loads)
 
 

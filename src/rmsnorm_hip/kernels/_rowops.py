@@ -9,30 +9,11 @@ zero-filled): a 16-byte span inside the row as the two aligned blocks around it,
 float32 slots, so every float32 operation after the load is the same and a row gives bitwise the
 same result whichever form ran.
 """
-import functools
-
 import numpy as np
 from numba import float32, int8, int32, uint8, uint16, uint32, uint64
 
 from .. import _dtypes
 from ._config import CHUNK_BYTES, ceil_div
-
-_helpers = {}
-
-
-def shared(build):
-    """One helper object per (intrinsics namespace, arguments): every kernel built in a process
-    calls the same device functions, which numba then types and compiles once per signature
-    instead of once per kernel (half of a kernel's compile time over the catalog's variants).
-    The code is the same either way."""
-    @functools.wraps(build)
-    def helper(intr, *args, **kwargs):
-        key = (build.__name__, id(intr), args, tuple(sorted(kwargs.items())))
-        hit = _helpers.get(key)
-        if hit is None or hit[0] is not intr:
-            hit = _helpers[key] = (intr, build(intr, *args, **kwargs))
-        return hit[1]
-    return helper
 
 
 class ChunkIO:
@@ -65,7 +46,6 @@ def _shifted_access(intr):
     return "gpu" in intr.features
 
 
-@shared
 def codec(intr, dtype):
     """(decode, encode, pack two) between float32 and an element of ``dtype`` as stored
     (pack two: None for float32, whose elements are whole words).  The 8-bit quantised dtypes
@@ -82,7 +62,6 @@ def codec(intr, dtype):
     return as_f32, as_f32, None
 
 
-@shared
 def _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream=False):
     jitable = intr.jitable
     itemsize = _dtypes.ITEMSIZE[dtype]
@@ -267,7 +246,6 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream=False):
     return load, store, load_words, words_to_floats
 
 
-@shared
 def make_chunk_dot(intr, chunk):
     """Pairwise sum of ``a[i + k] * b[j + k]`` over a chunk (chunk 4 or 8), each pair one
     explicit fma (see intrinsics fma: the same rounding whatever code surrounds it)."""
@@ -287,7 +265,6 @@ def make_chunk_dot(intr, chunk):
     return chunk_dot
 
 
-@shared
 def make_accumulate(intr, compensated):
     """add(acc, comp, term) -> (acc, comp): a thread's running sum over its chunks.  Looped rows
     (``compensated``: hundreds of chunks a thread at N = 2**21) carry Kahan's compensation, so the
@@ -304,7 +281,6 @@ def make_accumulate(intr, compensated):
     return add
 
 
-@shared
 def make_chunk_sumsq(intr, chunk):
     """Pairwise sum of squares of ``vals[slot : slot + chunk]``."""
     chunk_dot = make_chunk_dot(intr, chunk)
@@ -332,7 +308,6 @@ def reduce_buffer_shape(intr, bufs, rows, threads):
     return (bufs, rows, 4 * ceil_div(warps, 4) if pad else warps)
 
 
-@shared
 def make_row_sum(intr, threads, row_barriers=False):
     """Sum a float32 over the ``threads`` threads of a row (threadIdx.x), every thread gets it.
     Lanes of a warp combine by xor-butterfly, warps of a row through ``red[buf, row_in_block, :]``
@@ -342,7 +317,6 @@ def make_row_sum(intr, threads, row_barriers=False):
     return _make_row_reduce(intr, threads, intr.warp_sum, _add(intr), row_barriers)
 
 
-@shared
 def make_row_sum_max(intr, threads):
     """``row_sum_max(s, mx, red, buf, ty, tx)``: the sum of ``s`` (as :func:`make_row_sum`, in the
     same order) and the max of ``mx`` (NaN winning) over the threads of a row, in one round: one
@@ -370,7 +344,6 @@ def make_row_sum_max(intr, threads):
     return row_sum_max
 
 
-@shared
 def _add(intr):
     @intr.jitable
     def add(a, b):
@@ -379,7 +352,6 @@ def _add(intr):
     return add
 
 
-@shared
 def _make_fold(intr, warps, combine):
     """``fold(red, b, ty)``: ``combine`` over ``red[b, ty, 0 .. warps - 1]`` in warp order, the
     partials read 4 at a time before they are combined, so that each 4 are one ld.shared.v4 on a
@@ -405,7 +377,6 @@ def _make_fold(intr, warps, combine):
     return fold
 
 
-@shared
 def _make_row_reduce(intr, threads, warp_reduce, combine, row_barriers=False):
     """``row_reduce(value, red, buf, ty, tx)``: ``warp_reduce`` over the lanes of each warp, then
     ``combine`` over the row's warps in warp order through shared memory."""
@@ -436,7 +407,6 @@ def _make_row_reduce(intr, threads, warp_reduce, combine, row_barriers=False):
 RNE_MAGIC = 12582912.0
 
 
-@shared
 def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=True, mx=False,
                      unbounded=False):
     """``store(ptr, start, col0, vals, slot, inv)``: ``vals[slot : slot + chunk] * inv`` quantised
@@ -542,7 +512,6 @@ def make_quant_store(intr, dtype, chunk, n, vector, fma_levels=False, shifted=Tr
     return store
 
 
-@shared
 def make_fp4_store(intr, chunk):
     """``store(ptr, start, col0, vals, slot, inv)``: ``vals[slot : slot + chunk] * inv`` as
     float4 e2m1 pairs at byte ``start + col0 // 2`` of a uint8 array, element 2i in the low
@@ -572,7 +541,6 @@ def make_fp4_store(intr, chunk):
 _F32_MAX = float32(3.4028234663852886e38)
 
 
-@shared
 def make_group_scale(intr, scaling, quant):
     """``scale_of(a) -> (stored, inv, pre)`` of a group whose max|y| is ``a`` (float32; NaN or
     Inf where the group holds one): the scale as stored, and the factors its levels take,
