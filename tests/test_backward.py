@@ -8,7 +8,7 @@ import pytest
 from conftest import (BFLOAT16, DTYPES, FLOAT32, WEIGHT_COMBOS, HostIO, assert_bitwise,
                       assert_dweight, assert_dx, full_tier_except, random_array)
 from rmsnorm_hip import _arrays, _cache, functional, rms_norm, rms_norm_backward
-from rmsnorm_hip.kernels import _config, _rowops
+from rmsnorm_hip.kernels import _config
 from rmsnorm_hip.reference import rms_norm_backward_ref
 
 pytestmark = pytest.mark.quick
@@ -532,7 +532,6 @@ def test_sim_stream_loads_give_the_plain_bits(rng, use_backend, monkeypatch, dty
 
     monkeypatch.setattr(intr, "load_b128_stream", counted)
     monkeypatch.setattr(_cache, "_kernels", {})     # kernels built now, with the counted load
-    monkeypatch.setattr(_rowops, "_helpers", {})
     hinted = rms_norm_backward(dy, x, w, rstd, dresidual=dr)
     assert _ran(be).stream_loads
     # x and dy (and dresidual) of each of the 5 rows, one 128-bit load per thread's chunk
