@@ -204,3 +204,64 @@ def test_repeat_calls_take_the_runner(monkeypatch, name, with_residual):
     if other_scale is not None:
         functional._fused_runners.clear()
         same(other_scale, call(x, r, scale=other), "another scale vs the validated call")
+
+
+def test_e2m1_pairs_match_the_float32_encoder():
+    """CUDA's e2m1 pairs in 16-bit halves (intrinsics mx_pack_e2m1x2 / mx_pack_e2m1x8) give the
+    float32 encoder's codes for every float32 magnitude in [2**-30, 16) (signs alternating) and
+    for random bit patterns; NaN gives 6 of either sign."""
+    import numba
+    from numba import cuda as nb_cuda
+
+    from rmsnorm_hip import intrinsics
+    intr, cpu = intrinsics.load("cuda"), intrinsics.load("cpu")
+    x2, x8, encode = intr.mx_pack_e2m1x2, intr.mx_pack_e2m1x8, cpu.f32_to_e2m1
+
+    @nb_cuda.jit
+    def pack(v, out8, out2):
+        i = nb_cuda.grid(1)
+        if i < out8.size:
+            b = i * 8
+            out8[i] = x8(v[b], v[b + 1], v[b + 2], v[b + 3], v[b + 4], v[b + 5], v[b + 6],
+                         v[b + 7])
+            out2[i] = x2(v[b], v[b + 1])
+
+    @numba.njit
+    def expected(v):
+        out8 = np.zeros(v.size // 8, np.uint32)
+        out2 = np.zeros(v.size // 8, np.uint32)
+        for i in range(out8.size):
+            for k in range(8):
+                out8[i] |= encode(v[8 * i + k]) << np.uint32(4 * k)
+            out2[i] = encode(v[8 * i]) | (encode(v[8 * i + 1]) << np.uint32(4))
+        return out8, out2
+
+    def nibbles(words, count):
+        return (words[:, None] >> np.arange(0, 4 * count, 4, dtype=np.uint32)) & np.uint32(0xF)
+
+    def compare(bits):
+        v = bits[:bits.size // 8 * 8].view(np.float32)
+        got8 = nb_cuda.device_array(v.size // 8, np.uint32)
+        got2 = nb_cuda.device_array(v.size // 8, np.uint32)
+        pack[(got8.size + 255) // 256, 256](nb_cuda.to_device(v), got8, got2)
+        want8, want2 = expected(v)
+        got = (nibbles(got8.copy_to_host(), 8), nibbles(got2.copy_to_host(), 2))
+        want = (nibbles(want8, 8), nibbles(want2, 2))
+        nan = np.isnan(v).reshape(-1, 8)
+        for g, w, n in zip(got, want, (nan, nan[:, :2])):
+            assert np.all(g[n] & 7 == 7), "NaN: a level of magnitude 6"
+            bad = (g != w) & ~n
+            where = v.reshape(-1, 8)[:, :g.shape[1]][bad]
+            assert not bad.any(), f"{bad.sum()} levels differ, e.g. at {where[:5]}"
+
+    low, high = np.float32(2.0 ** -30).view(np.uint32), np.float32(16.0).view(np.uint32)
+    step = 1 << 25
+    for start in range(int(low), int(high), step):
+        bits = np.arange(start, min(start + step, int(high)), dtype=np.uint32)
+        compare(bits | ((bits & np.uint32(1)) << np.uint32(31)))
+    rng = np.random.default_rng(5)
+    compare(rng.integers(0, 2 ** 32, 1 << 24, dtype=np.uint64).astype(np.uint32))
+    special = np.float32([0.0, -0.0, 0.25, -0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, 6.0,
+                          7.99, 8.0, 1e30, -1e30, 65504.0, 65520.0, np.inf, -np.inf, 1e-45,
+                          -1e-45, 0.2500001, -0.7499999])
+    compare(np.resize(special, 32).view(np.uint32))

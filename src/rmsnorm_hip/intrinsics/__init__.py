@@ -40,7 +40,11 @@ Names every GPU namespace provides
                                   saturating to +-6) / two e4m3fn bytes (lo in bits 0-7; rne,
                                   saturating to +-448).  The shared encoders everywhere but
                                   gfx950 (feature ``mx_hw_convert``: v_cvt_scalef32_pk_*), where
-                                  NaN gives -6 / -448 (its block's scale byte says NaN anyway)
+                                  NaN gives -6 / -448 (its block's scale byte says NaN anyway).
+                                  CUDA (sm_90) computes e2m1 pairs in 16-bit halves: the same
+                                  codes for finite inputs, NaN -> +-6 of either sign
+``mx_pack_e2m1x8``                 eight float32 as above -> eight e2m1 nibbles in one uint32
+                                  (element i in bits 4i to 4i + 3)
 ``warp_sum``, ``warp_max``         xor-butterfly over ``width`` contiguous lanes (width a power of
                                   two <= warp), every lane gets the result (warp_max: NaN wins)
 ``sigmoid``                       float32 1 / (1 + exp(-v)): on GPUs from the hardware's
@@ -73,7 +77,8 @@ import functools
 COMMON = frozenset({
     "name", "warp", "gpu", "jitable", "features", "fma", "f32_as_u32", "u32_as_f32",
     "bf16_to_f32", "f32_to_bf16", "f16_to_f32", "f32_to_f16", "pack_bf16x2", "pack_f16x2",
-    "f32_to_i8", "f32_to_e4m3", "f32_to_e2m1", "pack_e4m3x2", "mx_pack_e2m1x2", "mx_pack_e4m3x2",
+    "f32_to_i8", "f32_to_e4m3", "f32_to_e2m1", "pack_e4m3x2", "mx_pack_e2m1x2", "mx_pack_e2m1x8",
+    "mx_pack_e4m3x2",
     "max_nan", "warp_sum", "warp_max", "shfl_xor", "sigmoid"})
 # what every GPU namespace adds
 GPU = COMMON | frozenset({

@@ -365,6 +365,82 @@ def define_ptx_quant(intrinsic, pack_e4m3x2_integer):
     return dict(f32_to_i8=f32_to_i8, pack_e4m3x2=pack_e4m3x2)
 
 
+# One e2m1 pair in 16-bit halves, lo in the low half (sm_90 for max.u16x2): 14 SASS
+# instructions a pair where the float32 encoder took about 22.  A round-to-odd float16 (the
+# truncation, its last bit set where the float32 had more: then the truncation of bits + 0x1FFF
+# is one step up) keeps every bit e2m1's rounding needs; |m| clamped to 6 (NaN too) and its
+# binade clamped at 1.0 give e, and a + e * 512 in one f16 fma rounds a to e2m1's step, its low
+# bits counting the steps k; the code is k + 2 * binade, the sign bit 3 of each half's nibble.
+# The float32 encoder's codes for every finite input (every float32 in [2**-30, 16) and random
+# bit patterns checked); NaN gives +-6 of either sign.
+_E2M1_PAIR_PTX = """cvt.rz.f16x2.f32 {t}, {hi}, {lo};
+mov.b32 {u}, {lo}; add.u32 {u}, {u}, 8191; mov.b32 {f}, {u};
+mov.b32 {v}, {hi}; add.u32 {v}, {v}, 8191; mov.b32 {g}, {v};
+cvt.rz.f16x2.f32 {c}, {g}, {f};
+and.b32 {c}, {c}, 0x00010001; or.b32 {m}, {t}, {c}; abs.f16x2 {m}, {m};
+min.f16x2 {m}, {m}, {k6}; max.u16x2 {e}, {m}, {k1}; and.b32 {e}, {e}, 0x7C007C00;
+fma.rn.f16x2 {s}, {e}, {k512}, {m};
+shr.u32 {u}, {e}, 9; add.u32 {u}, {u}, 0xDBE1DBE2; sub.u32 {s}, {s}, {e}; add.u32 {s}, {s}, {u};
+shr.u32 {t}, {t}, 12; and.b32 {t}, {t}, 0x00080008; or.b32 {w}, {s}, {t};
+"""
+_E2M1_TEMPS = "t u v f g c m e s".split()
+
+
+def _e2m1_ptx(pairs, tail):
+    """Inline PTX of ``pairs`` e2m1 pairs (inputs $1.. as lo, hi of each), their nibble words
+    w0.. combined by ``tail`` (text, $0 the result)."""
+    lines = ["{", ".reg .b32 k6, k1, k512;", ".reg .f32 f<%d>, g<%d>;" % (pairs, pairs),
+             ".reg .b32 " + ", ".join(f"{n}<{pairs}>" for n in _E2M1_TEMPS if n not in "fg")
+             + f", w<{pairs}>, x<2>, y<2>;",
+             "mov.b32 k6, 0x46004600; mov.b32 k1, 0x3C003C00; mov.b32 k512, 0x60006000;"]
+    for p in range(pairs):
+        names = {n: f"{n}{p}" for n in _E2M1_TEMPS}
+        lines.append(_E2M1_PAIR_PTX.format(lo=f"${1 + 2 * p}", hi=f"${2 + 2 * p}", w=f"w{p}",
+                                           k6="k6", k1="k1", k512="k512", **names))
+    lines += [tail, "}"]
+    return "\n".join(lines)
+
+
+# w: nibbles at bits 0-3 and 16-19; two words as u = w0 | w1 << 8 hold elements 0, 2 at 0-3,
+# 8-11 and 1, 3 at 16-19, 24-27, so u | u >> 12 has the four in order in its low 16 bits
+_E2M1_X2_TAIL = "shr.u32 x0, w0, 12; or.b32 x0, x0, w0; and.b32 $0, x0, 255;"
+_E2M1_X8_TAIL = ("shl.b32 x0, w1, 8; or.b32 x0, x0, w0; shr.u32 y0, x0, 12; or.b32 y0, y0, x0;"
+                 "shl.b32 x1, w3, 8; or.b32 x1, x1, w2; shr.u32 y1, x1, 12; or.b32 y1, y1, x1;"
+                 "prmt.b32 $0, y0, y1, 0x5410;")
+
+
+def define_ptx_e2m1(intrinsic, portable_x2, portable_x8):
+    """CUDA's ``mx_pack_e2m1x2`` / ``mx_pack_e2m1x8`` in 16-bit halves (_E2M1_PAIR_PTX) on sm_90
+    and later; ``portable_x2`` / ``portable_x8`` (the float32 encoders) below it."""
+
+    def typed(values, portable, tail):
+        if not all(isinstance(v, types.Float) for v in values):
+            return None
+        count = len(values)
+
+        def codegen(context, builder, sig, args):
+            floats = [context.cast(builder, a, t, types.float32) for a, t in zip(args, sig.args)]
+            if _target_cc() < (9, 0):
+                return context.compile_internal(
+                    builder, portable, types.uint32(*[types.float32] * count), floats)
+            asm = ir.InlineAsm(ir.FunctionType(I32, [ir.FloatType()] * count),
+                               _e2m1_ptx(count // 2, tail), "=r" + ",f" * count,
+                               side_effect=False)
+            return builder.call(asm, floats)
+
+        return types.uint32(*values), codegen
+
+    @intrinsic
+    def mx_pack_e2m1x2(typingctx, lo, hi):
+        return typed((lo, hi), portable_x2, _E2M1_X2_TAIL)
+
+    @intrinsic
+    def mx_pack_e2m1x8(typingctx, v0, v1, v2, v3, v4, v5, v6, v7):
+        return typed((v0, v1, v2, v3, v4, v5, v6, v7), portable_x8, _E2M1_X8_TAIL)
+
+    return dict(mx_pack_e2m1x2=mx_pack_e2m1x2, mx_pack_e2m1x8=mx_pack_e2m1x8)
+
+
 def define_ptx_max_nan(intrinsic, portable):
     """CUDA's ``max_nan``; ``portable`` (a Python function) is compiled below sm_80."""
     @intrinsic

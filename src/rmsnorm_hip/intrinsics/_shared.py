@@ -177,7 +177,19 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor, max_nan=None):
                            pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2, f32_to_i8=f32_to_i8,
                            f32_to_e4m3=f32_to_e4m3, pack_e4m3x2=pack_e4m3x2,
                            f32_to_e2m1=f32_to_e2m1, mx_pack_e2m1x2=mx_pack_e2m1x2,
+                           mx_pack_e2m1x8=make_pack_e2m1x8(jitable, mx_pack_e2m1x2),
                            # MX e4m3 elements are plain e4m3fn levels of pre-scaled values
                            mx_pack_e4m3x2=pack_e4m3x2,
                            max_nan=max_nan, warp_sum=warp_sum,
                            warp_max=warp_max, shfl_xor=shfl_xor, sigmoid=sigmoid)
+
+
+def make_pack_e2m1x8(jitable, pack_x2):
+    """``mx_pack_e2m1x8`` from a namespace's ``mx_pack_e2m1x2``: eight levels in one uint32,
+    element i in bits 4i to 4i + 3."""
+    @jitable
+    def mx_pack_e2m1x8(v0, v1, v2, v3, v4, v5, v6, v7):
+        return (pack_x2(v0, v1) | (pack_x2(v2, v3) << uint32(8))
+                | (pack_x2(v4, v5) << uint32(16)) | (pack_x2(v6, v7) << uint32(24)))
+
+    return mx_pack_e2m1x8

@@ -56,6 +56,9 @@ def build():
 
     shared.update(quant, f32_to_e4m3=f32_to_e4m3, mx_pack_e4m3x2=pack_e4m3x2,
                   max_abs_nan=max_abs_nan)
+    # e2m1 pairs in 16-bit halves: MXFP4 rows are issue-bound (docs/performance.md)
+    shared.update(_llvm.define_ptx_e2m1(intrinsic, shared["mx_pack_e2m1x2"],
+                                        shared["mx_pack_e2m1x8"]))
     shared.update(row_barrier=_llvm.define_named_barrier(intrinsic))
     shared.update(load_b128_stream=_llvm.define_stream_load(intrinsic))
     compiled.update(_llvm.define_ptx_red(intrinsic))   # NVVM refuses atomicrmw fadd

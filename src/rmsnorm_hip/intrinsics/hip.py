@@ -81,6 +81,8 @@ def build(arch=None):
     features = {"gpu"}
     if arch in MX_HW_ARCHS:
         shared.update(_llvm.define_amd_mx_convert(intrinsic))
+        shared.update(mx_pack_e2m1x8=_shared.make_pack_e2m1x8(register_jitable,
+                                                              shared["mx_pack_e2m1x2"]))
         features.add("mx_hw_convert")
     return SimpleNamespace(features=frozenset(features), name="hip", warp=WARP,
                            shared_alignment=None,

@@ -517,7 +517,7 @@ def make_fp4_store(intr, chunk):
     float4 e2m1 pairs at byte ``start + col0 // 2`` of a uint8 array, element 2i in the low
     nibble: one 4-byte store (chunk 8; aligned, as q's rows are whole multiples of 16 bytes) or
     two bytes (chunk 4)."""
-    pack_e2m1x2 = intr.mx_pack_e2m1x2
+    pack_e2m1x2, pack_e2m1x8 = intr.mx_pack_e2m1x2, intr.mx_pack_e2m1x8
     store_b32 = _gpu_only(intr, "store_b32")
 
     @intr.jitable
@@ -528,9 +528,10 @@ def make_fp4_store(intr, chunk):
     def store(ptr, start, col0, vals, slot, inv):
         idx = start + col0 // 2
         if chunk == 8:
-            store_b32(ptr, idx, pair(vals, slot, inv) | (pair(vals, slot + 2, inv) << uint32(8))
-                      | (pair(vals, slot + 4, inv) << uint32(16))
-                      | (pair(vals, slot + 6, inv) << uint32(24)))
+            store_b32(ptr, idx, pack_e2m1x8(
+                vals[slot] * inv, vals[slot + 1] * inv, vals[slot + 2] * inv,
+                vals[slot + 3] * inv, vals[slot + 4] * inv, vals[slot + 5] * inv,
+                vals[slot + 6] * inv, vals[slot + 7] * inv))
         else:
             ptr[idx] = uint8(pair(vals, slot, inv))
             ptr[idx + 1] = uint8(pair(vals, slot + 2, inv))
