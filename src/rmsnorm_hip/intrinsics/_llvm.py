@@ -378,8 +378,8 @@ mov.b32 {u}, {lo}; add.u32 {u}, {u}, 8191; mov.b32 {f}, {u};
 mov.b32 {v}, {hi}; add.u32 {v}, {v}, 8191; mov.b32 {g}, {v};
 cvt.rz.f16x2.f32 {c}, {g}, {f};
 and.b32 {c}, {c}, 0x00010001; or.b32 {m}, {t}, {c}; abs.f16x2 {m}, {m};
-min.f16x2 {m}, {m}, {k6}; max.u16x2 {e}, {m}, {k1}; and.b32 {e}, {e}, 0x7C007C00;
-fma.rn.f16x2 {s}, {e}, {k512}, {m};
+min.f16x2 {m}, {m}, k6; max.u16x2 {e}, {m}, k1; and.b32 {e}, {e}, 0x7C007C00;
+fma.rn.f16x2 {s}, {e}, k512, {m};
 shr.u32 {u}, {e}, 9; add.u32 {u}, {u}, 0xDBE1DBE2; sub.u32 {s}, {s}, {e}; add.u32 {s}, {s}, {u};
 shr.u32 {t}, {t}, 12; and.b32 {t}, {t}, 0x00080008; or.b32 {w}, {s}, {t};
 """
@@ -396,7 +396,7 @@ def _e2m1_ptx(pairs, tail):
     for p in range(pairs):
         names = {n: f"{n}{p}" for n in _E2M1_TEMPS}
         lines.append(_E2M1_PAIR_PTX.format(lo=f"${1 + 2 * p}", hi=f"${2 + 2 * p}", w=f"w{p}",
-                                           k6="k6", k1="k1", k512="k512", **names))
+                                           **names))
     lines += [tail, "}"]
     return "\n".join(lines)
 
