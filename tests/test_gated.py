@@ -747,32 +747,41 @@ def test_sim_paths(rng, use_backend, monkeypatch, case):
     assert_bitwise(dz_1, grads[1][i:], f"dz of row {i} alone")
 
 
+# (looped rows' held form, x's dtype, the _config limit that turns it off): float32 rows of 4100
+# are 512 threads of 2-3 chunks, too many words to hold; 16-bit ones 512 threads of 1-2 chunks
+HELD_FORMS = {"held_partial": (FLOAT32, "GATED_BWD_MAX_HELD_PARTIAL"),
+              "held_words": (BFLOAT16, "GATED_BWD_MAX_HELD_WORDS")}
+
+
 @pytest.mark.sim
+@pytest.mark.parametrize("form", list(HELD_FORMS))
 @pytest.mark.parametrize("norm_before_gate", full_tier_except([False, True], lambda g: not g),
                          ids=gate_id)
-def test_sim_held_partial_gives_the_workspace_bits(rng, use_backend, monkeypatch,
-                                                   norm_before_gate):
+def test_sim_held_forms_give_the_looped_bits(rng, use_backend, monkeypatch, norm_before_gate,
+                                             form):
     """Looped group rows short enough keep their dweight partial in registers
-    (GatedBwdSpec.held_partial): the same operations in the same order as the partial kept in
-    the slot's workspace row and updated per row, so the same bits.  Three rows over the
-    simulator's two slots: one slot accumulates two rows."""
+    (GatedBwdSpec.held_partial) rather than in the slot's workspace row, and where their
+    chunks' words fit too, read the row once and keep it as words (held_words) rather than
+    read it twice: the same operations in the same order, so the same bits.  Three rows over
+    the simulator's two slots: one slot accumulates two rows."""
     be = use_backend("sim")
     monkeypatch.setattr(be, "reduce_on_host", True)
-    m, n = 3, 4100                  # 1025 float32 chunks: 512 threads of 2-3 chunks, looped
+    dtype, limits = HELD_FORMS[form]
+    m, n = 3, 4100
     x, z, dy, w = (aligned_copy(a) if a is not None else None for a in
-                   make_inputs(rng, (m, n), FLOAT32, FLOAT32, 0.0))
+                   make_inputs(rng, (m, n), dtype, FLOAT32, 0.0))
     kw = dict(norm_before_gate=norm_before_gate)
     runs = []
     for held in (True, False):      # the simulator runs the NVIDIA configuration
-        limit = _config.GATED_BWD_MAX_HELD_PARTIAL["cuda"] if held else 0
-        monkeypatch.setitem(_config.GATED_BWD_MAX_HELD_PARTIAL, "cuda", limit)
+        limit = getattr(_config, limits)["cuda"] if held else 0
+        monkeypatch.setitem(getattr(_config, limits), "cuda", limit)
         with launched_specs(be) as specs:
             runs.append(rms_norm_gated_backward(dy, x, z, w, None, **kw))
         (spec,) = [s for s in specs if isinstance(s, _config.GatedBwdSpec)]
-        assert not spec.layout.cached and spec.held_partial == held, spec
-    check_backward(dy, x, z, w, None, *runs[0], FLOAT32, FLOAT32, eps=EPS, **kw)
+        assert not spec.layout.cached and getattr(spec, form) == held, spec
+    check_backward(dy, x, z, w, None, *runs[0], dtype, FLOAT32, eps=EPS, **kw)
     for got, want, what in zip(runs[0], runs[1], ("dx", "dz", "dweight")):
-        assert_bitwise(got, want, f"{what}: partial held vs in the workspace")
+        assert_bitwise(got, want, f"{what}: {form} vs looped")
 
 
 # ---- the torch adapter ---------------------------------------------------------------------------

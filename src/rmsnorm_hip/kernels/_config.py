@@ -222,10 +222,13 @@ def fwd_programs(spec, m, sm_count, resident_per_sm):
 # group rows are read twice, a chunk at a time.  Their dweight partial stays in registers up to
 # GATED_BWD_MAX_HELD_PARTIAL floats a thread, by vendor (16-bit G = 8192: 512 threads x 2
 # chunks; on AMD those rows spilled 6-13 VGPRs, so none there), else it lives in the slot's
-# workspace row, read and written back for every row
+# workspace row, read and written back for every row.  Looped rows whose chunks' words fit
+# GATED_BWD_MAX_HELD_WORDS a thread per array (by vendor) and whose partial is held read their
+# row once, kept as words across the reductions, the next row asked of the L2
 GATED_BWD_MAX_THREADS = 512
 GATED_BWD_MAX_CACHED_FLOATS = 8
 GATED_BWD_MAX_HELD_PARTIAL = {"cuda": 16, "hip": 0}
+GATED_BWD_MAX_HELD_WORDS = {"cuda": 8, "hip": 0}
 GATED_BWD_BLOCKS_PER_SM = 2     # slots of the persistent grid: this many blocks per SM
 # short group rows share blocks of up to this many threads (the 512-thread cap of 128 registers
 # spilled the any-alignment form of short rows, with the next row's words held)
@@ -245,11 +248,18 @@ class GatedBwdSpec:
     # the dweight partial in registers for the whole program (cached rows always), not in the
     # slot's workspace row
     held_partial: bool = True
+    # a looped row read once: its chunks kept as words, the next row asked of the L2 (cached
+    # rows load the next row's words instead)
+    held_words: bool = False
 
     def __post_init__(self):
         if self.layout.cached and not self.held_partial:
             raise ValueError("GatedBwdSpec: cached rows hold their dweight partial, got "
                              "held_partial=False")
+        if self.held_words and (self.layout.cached or not self.held_partial):
+            raise ValueError("GatedBwdSpec: held words are for looped rows holding their "
+                             f"partial, got cached={self.layout.cached}, "
+                             f"held_partial={self.held_partial}")
 
 
 def gated_bwd_layout(g, dtype):
@@ -262,9 +272,11 @@ def gated_bwd_spec(g, dtype, weight, vector, recompute_rstd, gate, vendor="cuda"
     rows = max(1, GATED_BWD_SHARED_BLOCK_THREADS // layout.threads)
     held = layout.cached or (layout.chunks_per_thread * layout.chunk
                              <= GATED_BWD_MAX_HELD_PARTIAL[vendor])
+    words = (held and not layout.cached
+             and layout.chunks_per_thread * 4 <= GATED_BWD_MAX_HELD_WORDS[vendor])
     return GatedBwdSpec(layout=layout, rows=rows, dtype=dtype, weight=weight,
                         vector=vector, recompute_rstd=recompute_rstd, gate=gate,
-                        held_partial=held)
+                        held_partial=held, held_words=words)
 
 
 def gated_bwd_slots(spec, m, groups, sm_count):

@@ -32,7 +32,7 @@ class Variant:
         s = self.spec
         if self.op == "gated_bwd":
             return (f"gated_bwd:{s.dtype}:w={s.weight or 'none'}:G={s.layout.n}:"
-                    f"{'cached' if s.layout.cached else 'looped'}:"
+                    f"{'cached' if s.layout.cached else 'words' if s.held_words else 'looped'}:"
                     f"{'vec' if s.vector else 'scalar'}:gate={s.gate}:"
                     f"recompute={int(s.recompute_rstd)}"
                     + ("" if s.held_partial else ":ws_partial"))

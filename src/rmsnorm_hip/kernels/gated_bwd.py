@@ -12,8 +12,9 @@ s' = sigmoid(z) * (1 + z * (1 - sigmoid(z))) and w = weight + weight_offset, per
 rstd is the forward's, or recomputed from h (x for the output gate) with eps.  Cached rows (a
 thread's share of a group row in registers) keep x, z and dy as the words of their 128-bit
 loads, decoded where used, and load the slot's next row while this one is reduced and its
-gradients stored; looped rows (read twice, a chunk at a time) ask the L2 for the slot's next
-row instead (intrinsics prefetch_l2).  The grid's blocks hold ``rows`` group rows each; block
+gradients stored; held-words rows (GatedBwdSpec.held_words) keep their words too but ask the
+L2 for the slot's next row (intrinsics prefetch_l2), as looped rows (read twice, a chunk at a
+time) do.  The grid's blocks hold ``rows`` group rows each; block
 slot q (block * rows + row in block) takes group q % H of rows q // H, q // H + S, ... (S =
 slots / H, the grid sized so that H divides the slots), keeps its dweight partial of that
 group's G columns in registers and stores it to workspace row q // H at columns group * G
@@ -56,12 +57,12 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
     layout = spec.layout
     n, chunk, threads, rows = layout.n, layout.chunk, layout.threads, spec.rows
     per_thread, cached = layout.chunks_per_thread, layout.cached
-    # floats a thread keeps per array: its whole share of the group row (cached), or one chunk,
-    # the row read twice (looped; the second read mostly from the L2).  The dweight partial of
-    # its whole share where it is held (GatedBwdSpec.held_partial), else one chunk's, read from
-    # the workspace and written back per row
-    span = per_thread * chunk if cached else chunk
-    held_partial = spec.held_partial
+    # floats a thread decodes at a time: one chunk (its share of the row stays as words where
+    # it is cached or held, else it is read twice: looped, the second read mostly from the L2).
+    # The dweight partial of its whole share where it is held (GatedBwdSpec.held_partial), else
+    # one chunk's, read from the workspace and written back per row
+    span = chunk
+    held_partial, held_words = spec.held_partial, spec.held_words
     unrolled = held_partial or per_thread <= 2      # looped rows (looped_row)
     # looped rows ask the L2 for their slot's next row (prefetch_row), but for a held partial of
     # more than two chunks, where the prefetches' addresses spilled (sm_90: float32 G = 8192,
@@ -185,42 +186,49 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
                     w.dy[j] = uint32(0)
 
     @jitable
-    def decode_chunk(call, inner, tx, w, k, f):
-        """Chunk k's words as floats at f's slot k * chunk, with the group's weight (read
-        where used, mostly from the L1, rather than held in registers across the reductions)."""
-        at, slot = k * 4, k * chunk
+    def decode_chunk(call, inner, tx, w, k, f, hide):
+        """Chunk k's words (each XORed with ``hide``, 0) as floats in f, with the group's weight
+        (read where used, mostly from the L1, rather than held in registers across the
+        reductions)."""
+        at = k * 4
         col0 = (tx + k * threads) * chunk
         if has_weight:
             if col0 < n:
-                load_w(call.arrays.weight, inner * n, col0, f.w, slot)
+                load_w(call.arrays.weight, inner * n, col0, f.w, 0)
             else:
-                for e in range(slot, slot + chunk):
+                for e in range(chunk):
                     f.w[e] = float32(0.0)
-        words_to_floats(w.x[at], w.x[at + 1], w.x[at + 2], w.x[at + 3], f.x, slot)
-        words_to_floats(w.z[at], w.z[at + 1], w.z[at + 2], w.z[at + 3], f.z, slot)
-        words_to_floats(w.dy[at], w.dy[at + 1], w.dy[at + 2], w.dy[at + 3], f.dy, slot)
+        words_to_floats(w.x[at] ^ hide, w.x[at + 1] ^ hide, w.x[at + 2] ^ hide,
+                        w.x[at + 3] ^ hide, f.x, 0)
+        words_to_floats(w.z[at] ^ hide, w.z[at + 1] ^ hide, w.z[at + 2] ^ hide,
+                        w.z[at + 3] ^ hide, f.z, 0)
+        words_to_floats(w.dy[at] ^ hide, w.dy[at + 1] ^ hide, w.dy[at + 2] ^ hide,
+                        w.dy[at + 3] ^ hide, f.dy, 0)
 
     @jitable
-    def cached_row(call, outer, inner, live, tx, ty, parity, red, f, w):
-        """A cached group row from its words ``w``: dx and dz stored, the dweight partial
-        accumulated in f.acc.  The floats are decoded for the sums and again for the
-        gradients, so that only the words stay live across the row's reductions."""
+    def words_row(call, outer, inner, live, tx, ty, parity, red, f, w):
+        """A cached or held-words group row from its words ``w``: dx and dz stored, the
+        dweight partial accumulated in f.acc.  The floats are decoded for the sums and again
+        for the gradients, so that only the words stay live across the row's reductions."""
         offset = call.weight_offset
         sxg = float32(0.0)
         ss = float32(0.0)
         for k in range(per_thread):
-            decode_chunk(call, inner, tx, w, k, f)
-            sxg, ss = sums(f, k * chunk, offset, sxg, ss)
+            decode_chunk(call, inner, tx, w, k, f, uint32(0))
+            sxg, ss = sums(f, 0, offset, sxg, ss)
         sxg, r = row_sums(call, outer, inner, live, tx, ty, parity, red, sxg, ss)
         if not live:
             return
         c = sxg * r / n_f32
+        # held words: a zero the compiler cannot see (m >> 63), or it reuses the first decode's
+        # floats and sigmoids, live across the reduction (sm_90: 28-48 registers spilled)
+        hide = uint32(call.m >> 63) if held_words else uint32(0)
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if col0 < n:
-                decode_chunk(call, inner, tx, w, k, f)
-                gradients(f, k * chunk, offset, r, c, k * chunk)
-                store_chunk(call, outer, inner, col0, f, k * chunk)
+                decode_chunk(call, inner, tx, w, k, f, hide)
+                gradients(f, 0, offset, r, c, k * chunk)
+                store_chunk(call, outer, inner, col0, f, 0)
 
     @jitable
     def prefetch_row(call, outer, inner, tx):
@@ -304,13 +312,23 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
             for it in range(most):
                 outer = first + it * step
                 load_row_words(call, outer + step, group, outer + step < m, tx, ahead)
-                cached_row(call, outer, group, outer < m, tx, ty, parity, red, f, w)
+                words_row(call, outer, group, outer < m, tx, ty, parity, red, f, w)
                 if not recompute:
                     parity ^= 1
                 for j in range(n_words):
                     w.x[j] = ahead.x[j]
                     w.z[j] = ahead.z[j]
                     w.dy[j] = ahead.dy[j]
+        elif held_words:
+            w = Words(gpu.local.array(n_words, uint32), gpu.local.array(n_words, uint32),
+                      gpu.local.array(n_words, uint32))
+            for it in range(most):
+                outer = first + it * step
+                if outer + step < m:
+                    prefetch_row(call, outer + step, group, tx)
+                load_row_words(call, outer, group, outer < m, tx, w)
+                words_row(call, outer, group, outer < m, tx, ty, 0 if recompute else it & 1,
+                          red, f, w)
         else:
             for it in range(most):
                 outer = first + it * step
