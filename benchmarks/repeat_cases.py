@@ -8,14 +8,16 @@ summary per (case, impl): median, min and max of the rounds, in us and % of the 
 
     PYTHONPATH=src python3 benchmarks/repeat_cases.py [--rounds 7]
         [--cases fused:4096x4096,bwd:8192x8192,...] [--chunks 3,4] [--same-bytes-copy]
-        [--tag _x] [--out DIR]
+        [--no-work] [--tag _x] [--out DIR]
 
 ``--chunks 3,4`` times ours once per 16-bit chunk count a thread (kernels/_config.
 CHUNKS_PER_THREAD, patched and the kernels re-planned when it changes: ``ours_c3``,
 ``ours_c4``) instead of beside the peers.  ``--same-bytes-copy`` times, in the same rounds, a
 torch device-to-device copy moving the case's bytes (half read, half written: copy_ceiling.py's
-ceiling), so each round shows ours against a plain copy under the same flush.  Writes DIR
-(default $OUT or .)/repeat_cases{tag}.json.
+ceiling), so each round shows ours against a plain copy under the same flush.  ``--no-work``
+times, for the quantising ops (and their _res forms), no_work.py's kernels with the op's own
+access pattern and no row work (``no_work_flat``, ``no_work_stride``) in the same rounds.
+Writes DIR (default $OUT or .)/repeat_cases{tag}.json.
 """
 import argparse
 import json
@@ -34,9 +36,12 @@ def main():
     ap.add_argument("--chunks", default="", help="16-bit chunk counts to time ours at")
     ap.add_argument("--same-bytes-copy", action="store_true",
                     help="time a torch copy of each case's bytes in the same rounds")
+    ap.add_argument("--no-work", action="store_true",
+                    help="time kernels with a quantising op's access pattern and no row work")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
 
+    import no_work      # benchmarks/, beside this script
     from rmsnorm_hip import functional
     from rmsnorm_hip._bench import ops, runner, targets, timing
     from rmsnorm_hip.kernels import _config
@@ -78,6 +83,11 @@ def main():
                 checked[name] = impl
         if args.same_bytes_copy:
             checked["copy_same_bytes"] = timing.same_bytes_copy(nbytes)
+        if args.no_work and op.removesuffix("_res") in no_work.PATTERNS:
+            residual = inputs[1] if op.endswith("_res") else None
+            for grid in ("flat", "stride"):
+                checked[f"no_work_{grid}"] = no_work.no_work_kernel(op, inputs[0], grid,
+                                                                    residual)
         runner._warm_up(target, checked, inputs)
         names = list(checked)
         times = {name: [] for name in names}

@@ -221,6 +221,7 @@ def test_head_and_gated_ops_run_from_the_command_line_and_in_decode_mode(monkeyp
 
 SCALED_OPS = ("quant_group", "quant_group_ue8m0", "quant_group_int8", "quant_static", "mxfp8",
               "mxfp4")
+assert ops.SCALED == SCALED_OPS
 
 
 def _scaled_bytes(op, M, N, e):
@@ -238,7 +239,9 @@ def _scaled_bytes(op, M, N, e):
 def test_scaled_quant_ops_run_only_when_named():
     assert not set(SCALED_OPS) & set(ops.ALL)
     assert ops.ALL == ("fwd", "bwd", "bwd_dres", "fused", "quant", "quant_fp8")
-    assert all(op in runner.CUDA_CASES and op in runner.CPU_CASES for op in SCALED_OPS)
+    assert not set(ops.SCALED_RESIDUAL) & set(ops.ALL)
+    assert all(op in runner.CUDA_CASES and op in runner.CPU_CASES
+               for op in SCALED_OPS + ops.SCALED_RESIDUAL)
 
 
 @pytest.mark.parametrize("op", SCALED_OPS)
@@ -258,6 +261,28 @@ def test_scaled_quant_ops_pass_their_checks_on_the_cpu(op, dtype):
         assert 0.5 * spec.tolerance[dtype] < record["rel_err"] < spec.tolerance[dtype]
         assert record["bytes"] == _scaled_bytes(op, 3, 512, 4 if dtype == "float32" else 2)
     assert spec.bytes_moved(5, 256, 2) == _scaled_bytes(op, 5, 256, 2)
+
+
+@pytest.mark.parametrize("op", ops.SCALED_RESIDUAL)
+def test_scaled_quant_ops_with_a_residual_check_residual_out(op):
+    """NAME_res: ours, NumPy and torch pass on (x, residual, weight, ...), the bytes add the
+    residual read and residual_out written, and a residual_out that is x fails the check."""
+    from rmsnorm_hip._bench import targets
+    target = targets.make_target("cpu")
+    spec, plain = ops.OPS[op], ops.OPS[op[:-len("_res")]]
+    impls = runner._implementations(spec, "cpu", "all")
+    assert list(impls) == list(IMPLS)
+    args, records = runner.checked_records(spec, target, impls, (3, 512, "bfloat16"), 0)
+    for record in records.values():
+        assert record["ok"], record
+        assert record["bytes"] == plain.bytes_moved(3, 512, 2) + 2 * 3 * 512 * 2
+    x, residual = args[:2]
+    assert not (x == residual).all()
+    outputs = impls["ours"](*args)
+    wrong = (*outputs[:-1], x)
+    status = runner._check(spec, target, lambda *a: wrong, args, spec.reference(target, *args),
+                           "bfloat16")
+    assert not status["ok"] and status["status"] == "failed", status
 
 
 def _truncated(op, levels):

@@ -13,7 +13,8 @@ Python::
   gated and gated_bwd (Mamba 2's gated RMSNorm and its backward), and rms_norm_quant's scaled
   outputs: quant_group (fp8, a float32 scale per 1x128 group), quant_group_ue8m0 (the same with
   power-of-two scales stored column-major, DeepGEMM's), quant_group_int8, quant_static (fp8, a
-  static scale) and mxfp8 / mxfp4 (OCP MX).
+  static scale) and mxfp8 / mxfp4 (OCP MX), each also as NAME_res: its fused-add form
+  (``residual=``; residual_out among the outputs and the bytes).
 - ``shapes``: ``[(M, N) or "MxN", ...]``; None: the target's default cases (``runner.CUDA_CASES``,
   ``runner.CPU_CASES``).
 - ``dtypes``: ``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"``, ``"float32"``/``"fp32"``.

@@ -316,13 +316,64 @@ def _column_major_checked(outputs):
     return outputs
 
 
-def _group_quant_op(name, quant_dtype, scale_format="float32", scale_layout="row"):
+def _residual_inputs(make_inputs):
+    """make_inputs with a residual (x's shape and dtype) after x."""
+    def inputs(target, M, N, dtype, seed):
+        x, *rest = make_inputs(target, M, N, dtype, seed)
+        return (x, target.randn((M, N), dtype, seed + 50), *rest)
+
+    return inputs
+
+
+def _residual_reference(reference):
+    """reference on h = x + residual (rounded to x's dtype, as residual_out is), and h."""
+    def with_residual(target, x, residual, *rest):
+        h = x + residual
+        out = reference(target, h, *rest)
+        return (*out, target.float64(h)) if isinstance(out, tuple) else (out, target.float64(h))
+
+    return with_residual
+
+
+def _residual_unpack(unpack):
+    """unpack for the outputs before residual_out, which is compared as it is."""
+    if unpack is None:
+        return None
+    return lambda outputs: (*unpack(outputs[:-1]), outputs[-1])
+
+
+def _scaled_op(name, summary, bytes_formula, bytes_moved, make_inputs, reference, ours,
+               torch_peer, numpy_peer, tolerance, residual, **options):
+    """A quantising op; with ``residual``, its fused-add form: x + residual rounded to x's
+    dtype, stored as residual_out and quantised (each peer adds first, torch.compile in the
+    same graph)."""
+    if residual:
+        summary = f"{summary}; residual= (h = x + residual, residual_out returned last)"
+        bytes_formula = f"{bytes_formula}, + 2*M*N*e (read residual, write residual_out)"
+        plain_bytes = bytes_moved
+        bytes_moved = lambda M, N, e: plain_bytes(M, N, e) + 2 * M * N * e  # noqa: E731
+        make_inputs, reference = _residual_inputs(make_inputs), _residual_reference(reference)
+        options["unpack"] = _residual_unpack(options.get("unpack"))
+        add = peers.residual_added
+        cuda_peers = {"torch": add(torch_peer), "torch_compile": add(torch_peer, compiled=True)}
+        cpu_peers = {"numpy": add(numpy_peer), "torch": add(peers.on_host(torch_peer))}
+    else:
+        cuda_peers = {"torch": torch_peer, "torch_compile": peers.compiled(torch_peer)}
+        cpu_peers = {"numpy": numpy_peer, "torch": peers.on_host(torch_peer)}
+    return Op(name=name, summary=summary, bytes_formula=bytes_formula, bytes_moved=bytes_moved,
+              make_inputs=make_inputs, reference=reference,
+              ours={"cuda": {"ours": ours}, "cpu": {"ours": ours}},
+              peers={"cuda": cuda_peers, "cpu": cpu_peers},
+              tolerance=dict.fromkeys(TOLERANCE, tolerance), **options)
+
+
+def _group_quant_op(name, quant_dtype, scale_format="float32", scale_layout="row",
+                    residual=False):
     spec = (quant_dtype, scale_format, scale_layout)
-    ours = peers.ours_rms_norm_quant_group(*spec)
     deepgemm = scale_layout == "column"
     extra = ", scale_format='ue8m0', scale_layout='column'" if deepgemm else ""
-    return Op(
-        name=name,
+    return _scaled_op(
+        name,
         summary=f"(q, yscale) = rms_norm_quant(x, weight, eps, quant_dtype={quant_dtype!r}, "
                 f"group_size={GROUP}{extra}): one absmax scale per 1x{GROUP} group of columns "
                 f"(DeepSeek-V3's activation tiles), yscale float32 (M, N/{GROUP})"
@@ -334,23 +385,20 @@ def _group_quant_op(name, quant_dtype, scale_format="float32", scale_layout="row
         bytes_moved=lambda M, N, e: M * N * e + N * e + M * N + M * (N // GROUP) * 4,
         make_inputs=_rms_norm_inputs,
         reference=_group_reference(quant_dtype, scale_format),
-        ours={"cuda": {"ours": ours}, "cpu": {"ours": ours}},
-        peers={"cuda": {"torch": peers.torch_rms_norm_quant_group(*spec),
-                        "torch_compile": peers.torch_compile_rms_norm_quant_group(*spec)},
-               "cpu": {"numpy": peers.numpy_rms_norm_quant_group(*spec),
-                       "torch": peers.on_host(peers.torch_rms_norm_quant_group(*spec))}},
-        tolerance=dict.fromkeys(TOLERANCE, SCALED_TOLERANCE[quant_dtype]),
+        ours=peers.ours_rms_norm_quant_group(*spec, residual=residual),
+        torch_peer=peers.torch_rms_norm_quant_group(*spec),
+        numpy_peer=peers.numpy_rms_norm_quant_group(*spec),
+        tolerance=SCALED_TOLERANCE[quant_dtype], residual=residual,
         unpack=_column_major_checked if deepgemm else None,
         scale_tolerance=SCALES_TOLERANCE,
     )
 
 
-def _mx_op(name, fmt):
-    ours = peers.ours_rms_norm_quant_mx(fmt)
+def _mx_op(name, fmt, residual=False):
     fp4 = fmt == "mxfp4_e2m1"
     q_bytes = "M*N/2" if fp4 else "M*N"
-    return Op(
-        name=name,
+    return _scaled_op(
+        name,
         summary=f"(q, scales) = rms_norm_quant(x, weight, eps, quant_dtype={fmt!r}): OCP MX, "
                 f"an E8M0 scale byte per block of {MX_BLOCK} columns (M, N/{MX_BLOCK}), "
                 + ("e2m1 elements packed two to a byte (M, N/2)" if fp4 else
@@ -362,34 +410,30 @@ def _mx_op(name, fmt):
                                      + M * N // MX_BLOCK),
         make_inputs=_rms_norm_inputs,
         reference=_mx_reference(fmt),
-        ours={"cuda": {"ours": ours}, "cpu": {"ours": ours}},
-        peers={"cuda": {"torch": peers.torch_rms_norm_quant_mx(fmt),
-                        "torch_compile": peers.torch_compile_rms_norm_quant_mx(fmt)},
-               "cpu": {"numpy": peers.numpy_rms_norm_quant_mx(fmt),
-                       "torch": peers.on_host(peers.torch_rms_norm_quant_mx(fmt))}},
-        tolerance=dict.fromkeys(TOLERANCE, SCALED_TOLERANCE[fmt]),
+        ours=peers.ours_rms_norm_quant_mx(fmt, residual=residual),
+        torch_peer=peers.torch_rms_norm_quant_mx(fmt),
+        numpy_peer=peers.numpy_rms_norm_quant_mx(fmt),
+        tolerance=SCALED_TOLERANCE[fmt], residual=residual,
         unpack=_mx_unpack(fmt),
         scale_tolerance=SCALES_TOLERANCE,
     )
 
 
-_QUANT_STATIC = Op(
-    name="quant_static",
-    summary=f"q = rms_norm_quant(x, weight, eps, quant_dtype='float8_e4m3fn', scale=s): a static "
-            f"per-tensor scale, s a float32 (1,) array on x's device (here {STATIC_SCALE}); peers: "
-            f"the same formula in float32 torch operators",
-    bytes_formula="M*N*e + N*e + 4 + M*N (read x, weight and the scale; write 8-bit q)",
-    bytes_moved=lambda M, N, e: M * N * e + N * e + 4 + M * N,
-    make_inputs=_static_inputs,
-    reference=_static_reference,
-    ours={"cuda": {"ours": peers.ours_rms_norm_quant_static},
-          "cpu": {"ours": peers.ours_rms_norm_quant_static}},
-    peers={"cuda": {"torch": peers.torch_rms_norm_quant_static,
-                    "torch_compile": peers.torch_compile_rms_norm_quant_static},
-           "cpu": {"numpy": peers.numpy_rms_norm_quant_static,
-                   "torch": peers.on_host(peers.torch_rms_norm_quant_static)}},
-    tolerance=dict.fromkeys(TOLERANCE, SCALED_TOLERANCE["float8_e4m3fn"]),
-)
+def _static_op(name, residual=False):
+    return _scaled_op(
+        name,
+        summary=f"q = rms_norm_quant(x, weight, eps, quant_dtype='float8_e4m3fn', scale=s): a "
+                f"static per-tensor scale, s a float32 (1,) array on x's device (here "
+                f"{STATIC_SCALE}); peers: the same formula in float32 torch operators",
+        bytes_formula="M*N*e + N*e + 4 + M*N (read x, weight and the scale; write 8-bit q)",
+        bytes_moved=lambda M, N, e: M * N * e + N * e + 4 + M * N,
+        make_inputs=_static_inputs,
+        reference=_static_reference,
+        ours=peers.ours_rms_norm_quant_static(residual=residual),
+        torch_peer=peers.torch_rms_norm_quant_static,
+        numpy_peer=peers.numpy_rms_norm_quant_static,
+        tolerance=SCALED_TOLERANCE["float8_e4m3fn"], residual=residual,
+    )
 
 
 _FUSED = Op(
@@ -703,13 +747,21 @@ OPS = {
     "qk_rope": _qk_op("qk_rope", rope=True),
     "gated": _GATED,
     "gated_bwd": _GATED_BWD,
-    "quant_group": _group_quant_op("quant_group", "float8_e4m3fn"),
-    "quant_group_ue8m0": _group_quant_op("quant_group_ue8m0", "float8_e4m3fn", "ue8m0", "column"),
-    "quant_group_int8": _group_quant_op("quant_group_int8", "int8"),
-    "quant_static": _QUANT_STATIC,
-    "mxfp8": _mx_op("mxfp8", "mxfp8_e4m3"),
-    "mxfp4": _mx_op("mxfp4", "mxfp4_e2m1"),
 }
+# the scaled quantisation ops, each also as NAME_res: with residual= (the fused add)
+_SCALED = {
+    "quant_group": lambda name, r: _group_quant_op(name, "float8_e4m3fn", residual=r),
+    "quant_group_ue8m0": lambda name, r: _group_quant_op(name, "float8_e4m3fn", "ue8m0", "column",
+                                                         residual=r),
+    "quant_group_int8": lambda name, r: _group_quant_op(name, "int8", residual=r),
+    "quant_static": lambda name, r: _static_op(name, residual=r),
+    "mxfp8": lambda name, r: _mx_op(name, "mxfp8_e4m3", residual=r),
+    "mxfp4": lambda name, r: _mx_op(name, "mxfp4_e2m1", residual=r),
+}
+SCALED = tuple(_SCALED)
+SCALED_RESIDUAL = tuple(f"{name}_res" for name in _SCALED)
+OPS.update({name: make(name, False) for name, make in _SCALED.items()})
+OPS.update({f"{name}_res": make(f"{name}_res", True) for name, make in _SCALED.items()})
 # `--op all` runs these in order; fused_inplace, qk, qk_rope, gated, gated_bwd and the scaled
 # quantisation ops (quant_group, quant_group_ue8m0, quant_group_int8, quant_static, mxfp8, mxfp4)
 # only when named (`--op`, `--decode --ops`)

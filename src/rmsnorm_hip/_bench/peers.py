@@ -181,11 +181,16 @@ def torch_eager_rms_norm_backward_dres():
     return _backward_formula
 
 
-def _compiled(fn):
+def _compiled(fn, **inductor_options):
     import torch
 
     _raise_recompile_limit(torch)
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+    return torch.compile(fn, dynamic=False, fullgraph=True, options=inductor_options or None)
+
+
+def compiled(factory):
+    """A factory of torch.compile of ``factory``'s function (one graph per shape)."""
+    return lambda: _compiled(factory())
 
 
 def torch_compile_rms_norm_backward():
@@ -667,40 +672,62 @@ E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5
                   (3.5, True), (5.0, False))
 
 
-def ours_rms_norm_quant_group(quant_dtype, scale_format="float32", scale_layout="row"):
+def _ours_quant(residual, **kw):
+    """A factory of rms_norm_quant(x, weight, eps, **kw); with ``residual``, of the call on
+    (x, residual, weight, eps) through its fused add (outputs + (residual_out,))."""
     def factory():
         import rmsnorm_hip
 
-        def quant(x, weight, eps):
-            return rmsnorm_hip.rms_norm_quant(x, weight, eps, quant_dtype=quant_dtype,
-                                              group_size=GROUP, scale_format=scale_format,
-                                              scale_layout=scale_layout)
-
-        return quant
+        quant = rmsnorm_hip.rms_norm_quant
+        if residual:
+            return lambda x, r, weight, eps: quant(x, weight, eps, residual=r, **kw)
+        return lambda x, weight, eps: quant(x, weight, eps, **kw)
 
     return factory
 
 
-def ours_rms_norm_quant_static():
-    import rmsnorm_hip
-
-    def quant(x, weight, eps, scale):
-        return rmsnorm_hip.rms_norm_quant(x, weight, eps, quant_dtype="float8_e4m3fn",
-                                          scale=scale)
-
-    return quant
+def ours_rms_norm_quant_group(quant_dtype, scale_format="float32", scale_layout="row",
+                              residual=False):
+    return _ours_quant(residual, quant_dtype=quant_dtype, group_size=GROUP,
+                       scale_format=scale_format, scale_layout=scale_layout)
 
 
-def ours_rms_norm_quant_mx(fmt):
+def ours_rms_norm_quant_static(residual=False):
+    """A factory of the static call on (x, [residual,] weight, eps, scale)."""
     def factory():
         import rmsnorm_hip
 
-        def quant(x, weight, eps):
-            return rmsnorm_hip.rms_norm_quant(x, weight, eps, quant_dtype=fmt)
-
-        return quant
+        quant = rmsnorm_hip.rms_norm_quant
+        if residual:
+            return lambda x, r, weight, eps, scale: quant(
+                x, weight, eps, residual=r, quant_dtype="float8_e4m3fn", scale=scale)
+        return lambda x, weight, eps, scale: quant(x, weight, eps, quant_dtype="float8_e4m3fn",
+                                                   scale=scale)
 
     return factory
+
+
+def ours_rms_norm_quant_mx(fmt, residual=False):
+    return _ours_quant(residual, quant_dtype=fmt)
+
+
+def residual_added(factory, compiled=False):
+    """A factory of ``factory``'s call on (x, residual, *rest): h = x + residual (one rounding
+    to x's dtype, as a fused add's residual_out), the call on h, and h appended to its outputs.
+    ``compiled``: all of it through torch.compile, so that the add fuses as torch.compile
+    fuses it, with its bf16 / fp16 roundings kept (inductor otherwise goes on with the unrounded
+    float32 sum: UE8M0 scales a power of two off where the two differ)."""
+    def made():
+        fn = factory()
+
+        def call(x, residual, *rest):
+            h = x + residual
+            out = fn(h, *rest)
+            return (*out, h) if isinstance(out, tuple) else (out, h)
+
+        return _compiled(call, emulate_precision_casts=True) if compiled else call
+
+    return made
 
 
 def _torch_norm_f32(x, weight, eps):
@@ -752,10 +779,6 @@ def torch_rms_norm_quant_group(*spec):
     return lambda: _group_quant_composite(*spec)
 
 
-def torch_compile_rms_norm_quant_group(*spec):
-    return lambda: _compiled(_group_quant_composite(*spec))
-
-
 def _static_quant_composite(x, weight, eps, scale):
     import torch
 
@@ -765,10 +788,6 @@ def _static_quant_composite(x, weight, eps, scale):
 
 def torch_rms_norm_quant_static():
     return _static_quant_composite
-
-
-def torch_compile_rms_norm_quant_static():
-    return _compiled(_static_quant_composite)
 
 
 def _torch_e2m1_codes(v):
@@ -807,10 +826,6 @@ def _mx_composite(fmt):
 
 def torch_rms_norm_quant_mx(fmt):
     return lambda: _mx_composite(fmt)
-
-
-def torch_compile_rms_norm_quant_mx(fmt):
-    return lambda: _compiled(_mx_composite(fmt))
 
 
 def _numpy_column_major(scales):

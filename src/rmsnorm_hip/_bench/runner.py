@@ -39,8 +39,7 @@ CUDA_CASES = {
     "gated": _GATED,
     "gated_bwd": _GATED,
     # the scaled quantised outputs at the SmoothQuant cases (N a multiple of the 128-column group)
-    **dict.fromkeys(("quant_group", "quant_group_ue8m0", "quant_group_int8", "quant_static",
-                     "mxfp8", "mxfp4"),
+    **dict.fromkeys(ops.SCALED + ops.SCALED_RESIDUAL,
                     tuple((M, N, "bfloat16") for M, N in _LLM if (M, N) != (8192, 8192))),
 }
 # Smaller on the CPU, where a call takes milliseconds.
@@ -419,8 +418,9 @@ def _parser():
                              "RoPE), gated (Mamba 2 gated RMSNorm), gated_bwd, quant_group "
                              "(fp8, a float32 scale per 128 columns), quant_group_ue8m0 (power-"
                              "of-two scales, column-major: DeepGEMM), quant_group_int8, "
-                             "quant_static (fp8, static scale), mxfp8, mxfp4 (OCP MX), or all "
-                             "(fwd, bwd, bwd_dres, fused, quant, quant_fp8)")
+                             "quant_static (fp8, static scale), mxfp8, mxfp4 (OCP MX), each "
+                             "of these six also as NAME_res (with residual=), or all (fwd, "
+                             "bwd, bwd_dres, fused, quant, quant_fp8)")
     parser.add_argument("--shapes", nargs="+", metavar="MxN",
                         help="MxN, space or comma separated (default: the target's cases)")
     parser.add_argument("--dtypes", nargs="+", metavar="DTYPE",
