@@ -35,7 +35,10 @@ def _versions():
 def _git_commit():
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        done = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+        # "-dirty" where the tracked files differ from HEAD: a working tree copied over an
+        # older checkout (a device machine's) is not that commit
+        done = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty",
+                               "--abbrev=7", "--exclude=*"],
                               capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
