@@ -57,11 +57,10 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
     layout = spec.layout
     n, chunk, threads, rows = layout.n, layout.chunk, layout.threads, spec.rows
     per_thread, cached = layout.chunks_per_thread, layout.cached
-    # floats a thread decodes at a time: one chunk (its share of the row stays as words where
+    # a thread decodes one chunk's floats at a time (its share of the row stays as words where
     # it is cached or held, else it is read twice: looped, the second read mostly from the L2).
     # The dweight partial of its whole share where it is held (GatedBwdSpec.held_partial), else
     # one chunk's, read from the workspace and written back per row
-    span = chunk
     held_partial, held_words = spec.held_partial, spec.held_words
     unrolled = held_partial or per_thread <= 2      # looped rows (looped_row)
     # looped rows ask the L2 for their slot's next row (prefetch_row), but for a held partial of
@@ -282,8 +281,8 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
             red = gpu.shared.array(red_shape, float32, alignment=red_align)
         else:
             red = gpu.shared.array(red_shape, float32)
-        f = Floats(gpu.local.array(span, float32), gpu.local.array(span, float32),
-                   gpu.local.array(span, float32), gpu.local.array(span, float32),
+        f = Floats(gpu.local.array(chunk, float32), gpu.local.array(chunk, float32),
+                   gpu.local.array(chunk, float32), gpu.local.array(chunk, float32),
                    gpu.local.array(acc_span, float32))
         tx = gpu.threadIdx.x
         ty = gpu.threadIdx.y
@@ -301,8 +300,9 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         lead = int64(gpu.blockIdx.x) * rows // groups
         most = (m - lead + step - 1) // step
         # consecutive reductions alternate between the two halves of red (one barrier each):
-        # a row that recomputes rstd runs two, parity then parity ^ 1
-        parity = 0
+        # a row that recomputes rstd runs two, parity then parity ^ 1; else rows alternate.
+        # From the row's index, not carried: a toggled parity doubled the held-words loop and
+        # spilled
         if cached:
             w = Words(gpu.local.array(n_words, uint32), gpu.local.array(n_words, uint32),
                       gpu.local.array(n_words, uint32))
@@ -312,9 +312,8 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
             for it in range(most):
                 outer = first + it * step
                 load_row_words(call, outer + step, group, outer + step < m, tx, ahead)
-                words_row(call, outer, group, outer < m, tx, ty, parity, red, f, w)
-                if not recompute:
-                    parity ^= 1
+                words_row(call, outer, group, outer < m, tx, ty, 0 if recompute else it & 1,
+                          red, f, w)
                 for j in range(n_words):
                     w.x[j] = ahead.x[j]
                     w.z[j] = ahead.z[j]
@@ -334,9 +333,8 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
                 outer = first + it * step
                 if prefetch and outer + step < m:
                     prefetch_row(call, outer + step, group, tx)
-                looped_row(call, outer, group, outer < m, tx, ty, parity, red, f, ws_start)
-                if not recompute:
-                    parity ^= 1
+                looped_row(call, outer, group, outer < m, tx, ty, 0 if recompute else it & 1,
+                           red, f, ws_start)
         if held_partial:
             for k in range(per_thread):
                 store_partial(ws, ws_start, (tx + k * threads) * chunk, f, k * chunk)
