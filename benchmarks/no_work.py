@@ -94,12 +94,11 @@ def no_work_kernel(op, x, grid="flat", residual=None):
             cupy.int64(chunks), cupy.int32(level_bytes), cupy.int64(chunks_per_scale),
             cupy.int32(scale_bytes), cupy.int32(residual is not None))
     threads = 256
-    if grid == "flat":
-        blocks = (chunks + threads - 1) // threads
-    elif grid == "stride":
+    blocks = (chunks + threads - 1) // threads
+    if grid == "stride":
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        blocks = min(16 * sms, (chunks + threads - 1) // threads)
-    else:
+        blocks = min(16 * sms, blocks)
+    elif grid != "flat":
         raise ValueError(f"no_work_kernel: grid must be 'flat' or 'stride', got {grid!r}")
 
     def call(*_):
