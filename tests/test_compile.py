@@ -133,6 +133,18 @@ def test_sm90_gate_keeps_64bit_divisions_out_of_streamed_rows(streamed, div64, f
     assert bool(found) == failing, found
 
 
+@pytest.mark.parametrize("op,sqrt_rn,failing", [
+    ("fwd", 0, False), ("fwd", 1, True), ("gated_bwd", 1, True), ("bwd", 1, False)])
+def test_sm90_gate_wants_rstd_from_rsqrt(op, sqrt_rn, failing):
+    """The sm_90 gate fails a row kernel whose PTX takes an IEEE square root (rstd is
+    intrinsics.rsqrt's); rms_norm_backward's recomputed rstd keeps it."""
+    from rmsnorm_hip import aot
+    record = dict(op=op, label=f"{op}:test", local_depot=False, vector=False, ld_global_v4=0,
+                  st_global_v4=0, spill_store_bytes=0, spill_load_bytes=0, sqrt_rn=sqrt_rn)
+    found = [p for p in aot.problems(record, "cuda") if "square root" in p]
+    assert bool(found) == failing, found
+
+
 @pytest.mark.parametrize("atomic,vector,red,red_v4,failing", [
     (True, True, 4, 4, False), (False, True, 0, 0, False), (True, True, 0, 0, True),
     (True, True, 8, 0, True), (False, True, 2, 2, True), (True, False, 8, 0, False)])

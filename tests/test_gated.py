@@ -718,7 +718,7 @@ def test_sim_paths(rng, use_backend, monkeypatch, case):
 
     assert fwd.gate == ("output" if case.norm_before_gate else "input"), fwd
     assert fwd.heads == (case.g != n) and fwd.vector == vector, fwd
-    assert fwd.layout == _config.row_layout(case.g, case.dtype), fwd
+    assert fwd.layout == _config.gated_row_layout(case.g, case.dtype), fwd
     assert bwd.layout == _config.gated_bwd_layout(case.g, case.dtype), bwd
     assert bwd.vector == vector and bwd.recompute_rstd != case.given_rstd, bwd
     assert bwd.gate == fwd.gate and bwd.weight == (case.weight or ""), bwd

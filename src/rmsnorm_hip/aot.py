@@ -234,6 +234,7 @@ def cuda_records(variant, archs, intr, keep_dir=None):
             stream_loads=bool(getattr(variant.spec, "stream_loads", False)),
             streamed=bool(getattr(variant.spec, "stream", False)),
             div64=len(re.findall(r"\b(?:div|rem)\.[su]64\b", ptx)),
+            sqrt_rn=len(re.findall(r"\bsqrt\.rn\.f32\b", ptx)),
             ld_global_cs=len(re.findall(r"\bld\.global\.cs\.", ptx)),
             atomic_dweight=bool(getattr(variant.spec, "atomic_dweight", False)),
             shifted_spans=shifted_spans(variant.spec),
@@ -373,6 +374,11 @@ def problems(record, target):
             # a streamed program's whole call at decode sizes is one row: a 64-bit division
             # (a subroutine of some 40 dependent instructions) ahead of its loads costs 0.1-0.3 us
             out.append(f"streamed forward with {record['div64']} 64-bit integer divisions")
+        if record.get("sqrt_rn") and record["op"] not in ("bwd", "bwd_reduce"):
+            # rstd by the IEEE square root and division: two dependent slow-path sequences on
+            # every row's critical path, where intrinsics.rsqrt is one instruction
+            # (rms_norm_backward keeps them: kernels/rmsnorm_bwd)
+            out.append(f"rstd from {record['sqrt_rn']} IEEE square roots, not intrinsics.rsqrt")
         if record.get("shifted_spans") and not record["ld_global_v4"]:
             out.append("scalar row without the aligned 128-bit loads of its spans")
         if record.get("paired") and not record.get("named_barriers"):

@@ -49,8 +49,11 @@ Names every GPU namespace provides
                                   two <= warp), every lane gets the result (warp_max: NaN wins)
 ``sigmoid``                       float32 1 / (1 + exp(-v)): on GPUs from the hardware's
                                   approximate exp2 and reciprocal (a few ulp + |v| * 6e-8
-                                  relative; _llvm.define_fast_sigmoid), elsewhere exactly
+                                  relative; _llvm.define_fast_math), elsewhere exactly
                                   rounded
+``rsqrt``                         float32 1 / sqrt(v), a row's rstd: on GPUs the hardware's
+                                  reciprocal square root (within 2 ulp; _llvm.define_fast_math),
+                                  elsewhere sqrt and division, each rounded
 ``shfl_xor(value, lanes)``         float32 ``value`` of lane ``lane ^ lanes``, every lane of the
                                   warp taking part (the CPU's: its own value)
 ``atomic_add_f32``                 float32 atomic add at ``ptr[i]`` (no result; CUDA: PTX ``red``)
@@ -79,7 +82,7 @@ COMMON = frozenset({
     "bf16_to_f32", "f32_to_bf16", "f16_to_f32", "f32_to_f16", "pack_bf16x2", "pack_f16x2",
     "f32_to_i8", "f32_to_e4m3", "f32_to_e2m1", "pack_e4m3x2", "mx_pack_e2m1x2", "mx_pack_e2m1x8",
     "mx_pack_e4m3x2",
-    "max_nan", "warp_sum", "warp_max", "shfl_xor", "sigmoid"})
+    "max_nan", "warp_sum", "warp_max", "shfl_xor", "sigmoid", "rsqrt"})
 # what every GPU namespace adds
 GPU = COMMON | frozenset({
     "shared_alignment", "align_offset", "load_b128", "load_b128_stream", "store_b128",

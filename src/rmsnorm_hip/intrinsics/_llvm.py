@@ -613,13 +613,19 @@ def define_grid_dependency(intrinsic):
 _LOG2E = 1.4426950408889634
 
 
-def define_fast_sigmoid(intrinsic, vendor):
-    """``sigmoid(v)`` = 1 / (1 + 2^(-v * log2(e))) with the hardware's approximate exp2 and
-    reciprocal (NVIDIA: ``ex2.approx.ftz`` / ``rcp.approx.ftz``; AMD: ``v_exp_f32`` /
-    ``v_rcp_f32``): four instructions where the IEEE expf and division take about forty, and a
-    relative error of a few float32 ulp plus the argument's rounding, about |v| * 6e-8 (1e-6 at
-    |v| = 20).  +-inf give 0 / 1, NaN stays NaN; NVIDIA's ``.ftz`` flushes a result below 2**-126
-    (v below about -87.3) to 0."""
+def define_fast_math(intrinsic, vendor):
+    """``sigmoid(v)`` and ``rsqrt(v)`` from the hardware's approximate instructions.
+
+    - ``sigmoid`` = 1 / (1 + 2^(-v * log2(e))) (NVIDIA: ``ex2.approx.ftz`` / ``rcp.approx.ftz``;
+      AMD: ``v_exp_f32`` / ``v_rcp_f32``): four instructions where the IEEE expf and division
+      take about forty, and a relative error of a few float32 ulp plus the argument's rounding,
+      about |v| * 6e-8 (1e-6 at |v| = 20).  +-inf give 0 / 1, NaN stays NaN; NVIDIA's ``.ftz``
+      flushes a result below 2**-126 (v below about -87.3) to 0.
+    - ``rsqrt`` = 1 / sqrt(v) (NVIDIA: ``rsqrt.approx.f32``; AMD: ``v_rsq_f32``, a subnormal v
+      scaled into the normal range first): one instruction where the IEEE square root and
+      division take two dependent rounding sequences with their slow-path branches, on the
+      critical path of every row; within 2 ulp (the two roundings': 1.5).  0 gives
+      +inf, a negative or NaN input NaN."""
     f32 = ir.FloatType()
 
     def ptx_unary(builder, instruction, value):
@@ -647,4 +653,22 @@ def define_fast_sigmoid(intrinsic, vendor):
 
         return types.float32(value), codegen
 
-    return dict(sigmoid=sigmoid)
+    @intrinsic
+    def rsqrt(typingctx, value):
+        if not isinstance(value, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            if vendor == "nvidia":
+                return ptx_unary(builder, "rsqrt.approx.f32", v)
+            # v_rsq_f32 may flush a subnormal input (inf out): such a v is taken as v * 2**24
+            # and its result scaled back by 2**12
+            small = builder.fcmp_ordered("<", v, ir.Constant(f32, 2.0 ** -126))
+            r = amd_unary(builder, "llvm.amdgcn.rsq.f32", builder.select(
+                small, builder.fmul(v, ir.Constant(f32, 2.0 ** 24)), v))
+            return builder.select(small, builder.fmul(r, ir.Constant(f32, 2.0 ** 12)), r)
+
+        return types.float32(value), codegen
+
+    return dict(sigmoid=sigmoid, rsqrt=rsqrt)

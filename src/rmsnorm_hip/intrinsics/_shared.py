@@ -172,6 +172,10 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor, max_nan=None):
     def sigmoid(v):     # the GPU namespaces replace it with their approximate instructions
         return float32(1.0) / (float32(1.0) + math.exp(-v))
 
+    @jitable
+    def rsqrt(v):       # GPUs: the hardware's reciprocal square root
+        return float32(1.0) / math.sqrt(v)
+
     return SimpleNamespace(bf16_to_f32=bf16_to_f32, f32_to_bf16=f32_to_bf16,
                            f16_to_f32=f16_to_f32, f32_to_f16=f32_to_f16,
                            pack_bf16x2=pack_bf16x2, pack_f16x2=pack_f16x2, f32_to_i8=f32_to_i8,
@@ -181,7 +185,8 @@ def build(jitable, f32_as_u32, u32_as_f32, shfl_xor, max_nan=None):
                            # MX e4m3 elements are plain e4m3fn levels of pre-scaled values
                            mx_pack_e4m3x2=pack_e4m3x2,
                            max_nan=max_nan, warp_sum=warp_sum,
-                           warp_max=warp_max, shfl_xor=shfl_xor, sigmoid=sigmoid)
+                           warp_max=warp_max, shfl_xor=shfl_xor, sigmoid=sigmoid,
+                           rsqrt=rsqrt)
 
 
 def make_pack_e2m1x8(jitable, pack_x2):

@@ -64,7 +64,7 @@ def build():
     compiled.update(_llvm.define_ptx_red(intrinsic))   # NVVM refuses atomicrmw fadd
     compiled.update(_llvm.define_grid_dependency(intrinsic))
     compiled.update(_llvm.define_l2_prefetch(intrinsic))
-    shared.update(_llvm.define_fast_sigmoid(intrinsic, "nvidia"))
+    shared.update(_llvm.define_fast_math(intrinsic, "nvidia"))
     return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="cuda", warp=WARP,
                            shared_alignment=16,
                            gpu=cuda, jitable=register_jitable,

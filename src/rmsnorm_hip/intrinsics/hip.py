@@ -77,7 +77,7 @@ def build(arch=None):
         atomic_add(ptr, idx + 3, d)
 
     shared.update(atomic_add_f32x4=atomic_add_f32x4)
-    shared.update(_llvm.define_fast_sigmoid(intrinsic, "amd"))
+    shared.update(_llvm.define_fast_math(intrinsic, "amd"))
     features = {"gpu"}
     if arch in MX_HW_ARCHS:
         shared.update(_llvm.define_amd_mx_convert(intrinsic))

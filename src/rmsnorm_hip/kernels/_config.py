@@ -61,9 +61,11 @@ class RowLayout:
         return ceil_div(self.n, self.chunk)
 
 
-def _layout(n, dtype, chunks_per_thread, max_cached_floats, max_threads=MAX_THREADS):
+def _layout(n, dtype, chunks_per_thread, max_cached_floats, max_threads=MAX_THREADS,
+            unit=64):
     """Threads per row for about ``chunks_per_thread`` chunks each (a power of two up to a warp,
-    else a whole number of 64-lane wavefronts, at most MAX_THREADS)."""
+    else a whole number of 64-lane wavefronts, at most MAX_THREADS; rows of more than ``unit``
+    threads a multiple of ``unit``)."""
     chunk = CHUNK_BYTES // _dtypes.ITEMSIZE[dtype]
     n_chunks = ceil_div(n, chunk)
     if n_chunks <= 32:
@@ -72,6 +74,8 @@ def _layout(n, dtype, chunks_per_thread, max_cached_floats, max_threads=MAX_THRE
     else:
         # a multiple of 64 is a whole number of warps on NVIDIA and of wavefronts on AMD
         threads = min(max_threads, 64 * ceil_div(ceil_div(n_chunks, chunks_per_thread), 64))
+        if threads > unit:
+            threads = min(max_threads, unit * ceil_div(threads, unit))
     per_thread = ceil_div(n_chunks, threads)
     return RowLayout(n=n, chunk=chunk, threads=threads, chunks_per_thread=per_thread,
                      cached=per_thread * chunk <= max_cached_floats)
@@ -80,6 +84,19 @@ def _layout(n, dtype, chunks_per_thread, max_cached_floats, max_threads=MAX_THRE
 def row_layout(n, dtype):
     """The per-row reduction shape: a function of ``n`` and ``dtype`` only (batch invariance)."""
     return _layout(n, dtype, CHUNKS_PER_THREAD[_dtypes.ITEMSIZE[dtype]], MAX_CACHED_FLOATS)
+
+
+# gated rows are issue-bound (the sigmoid: two transcendental ops an element).  A one-row block
+# of 6 warps runs 2 on two of an NVIDIA SM's four schedulers and 1 on the others: the row takes
+# as long as 8 would.  Their rows of more than 128 threads take a multiple of 128 (4 warps) there.
+GATED_ROW_UNIT = {"cuda": 128, "hip": 64}
+
+
+def gated_row_layout(n, dtype, vendor="cuda"):
+    """The gated forward's per-row reduction shape: a function of ``n`` and ``dtype`` only on a
+    given vendor's GPUs."""
+    return _layout(n, dtype, CHUNKS_PER_THREAD[_dtypes.ITEMSIZE[dtype]], MAX_CACHED_FLOATS,
+                   unit=GATED_ROW_UNIT[vendor])
 
 
 def quant_row_layout(n, dtype, vendor="cuda"):
@@ -192,7 +209,8 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     row), weight + offset otherwise (the weight is read before the reduction, not after it: one
     memory latency a row, not two).  Every variant forms the same float32 factor, so the bits do
     not depend on it.  ``scaling`` and ``group``: a quantised row's scales (FwdSpec)."""
-    layout = quant_row_layout(n, dtype, vendor) if quant else row_layout(n, dtype)
+    layout = (quant_row_layout(n, dtype, vendor) if quant
+              else gated_row_layout(n, dtype, vendor) if gate else row_layout(n, dtype))
     # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
     # exactly threads x chunks; not on AMD, where the branch-free row took the fp32 N = 4096
     # quantised kernel over the 64-VGPR gate (48 -> 69 VGPRs, gfx942)

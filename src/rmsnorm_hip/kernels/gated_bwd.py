@@ -23,7 +23,6 @@ row, read and written back per row): S partial rows, which kernels/rmsnorm_bwd's
 reduction sums in row order.  A function of M, H and the device only (never of pointers or
 strides), so dweight is deterministic and every row's dx and dz are batch invariant.
 """
-import math
 from collections import namedtuple
 
 from numba import float32, int64, types, uint32
@@ -71,7 +70,7 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
     has_weight, recompute = bool(spec.weight), spec.recompute_rstd
     gated_input = spec.gate == "input"
     gpu, jitable, fma, sigmoid = intr.gpu, intr.jitable, intr.fma, intr.sigmoid
-    prefetch_l2 = intr.prefetch_l2
+    prefetch_l2, rsqrt = intr.prefetch_l2, intr.rsqrt
     shifted = _config.scalar_shifted(spec)
     io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector, shifted)
     w_io = ChunkIO(intr, spec.weight or _dtypes.FLOAT32, chunk, n, spec.vector, shifted)
@@ -162,7 +161,7 @@ def make_gated_bwd(intr, spec: GatedBwdSpec):
         sxg = row_sum(sxg, red, parity, ty, tx)
         if recompute:
             ss = row_sum(ss, red, parity ^ 1, ty, tx)
-            r = float32(1.0) / math.sqrt(ss / n_f32 + call.eps)
+            r = rsqrt(ss / n_f32 + call.eps)
         else:
             r = call.arrays.rstd[outer * call.groups + inner] if live else float32(1.0)
         return sxg, r

@@ -64,7 +64,7 @@ def make_qk_norm(intr, spec: QkSpec):
     cache_len = per_thread * chunk
     rope_len = cache_len if spec.rope else 1
     rope, neox = spec.rope, spec.rope == "neox"
-    gpu, jitable, fma = intr.gpu, intr.jitable, intr.fma
+    gpu, jitable, fma, rsqrt = intr.gpu, intr.jitable, intr.fma, intr.rsqrt
     x_io = ChunkIO(intr, spec.dtype, chunk, n, spec.vector)
     w_io = ChunkIO(intr, spec.weight, chunk, n, spec.vector)
     decode_cache = codec(intr, spec.cache or _dtypes.FLOAT32)[0]
@@ -118,7 +118,7 @@ def make_qk_norm(intr, spec: QkSpec):
         for k in range(per_thread):
             acc = acc + chunk_sumsq(vals, k * chunk)
         total = row_sum(acc, red, 0, gpu.threadIdx.y, tx)
-        r = float32(1.0) / math.sqrt(total / n_f32 + a.eps)
+        r = rsqrt(total / n_f32 + a.eps)
         for k in range(per_thread):
             col0 = (tx + k * threads) * chunk
             if live and col0 < n:

@@ -489,6 +489,7 @@ def make_rmsnorm_bwd(intr, spec: BwdSpec):
             if recompute:
                 ss = row_sum(ss, red, parity, ty, tx)
                 parity ^= 1
+                # not intr.rsqrt: its shorter schedule spilled the 16384-column rows on sm_90
                 r = float32(1.0) / math.sqrt(ss / n_f32 + eps)
             elif next_rstd:
                 r = r_row

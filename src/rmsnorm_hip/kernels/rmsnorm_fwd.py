@@ -174,7 +174,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     load_words, words_to_floats = x_io.load_words, x_io.words_to_floats
     wait_prior_grids, release_dependents = intr.wait_prior_grids, intr.release_dependents
     warp_max, max_nan, shfl_xor = intr.warp_max, intr.max_nan, intr.shfl_xor
-    sigmoid = intr.sigmoid
+    sigmoid, rsqrt = intr.sigmoid, intr.rsqrt
 
     @jitable
     def add_residual(vals, slot, rvals, rslot):
@@ -421,7 +421,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         / QMAX is max|y| / QMAX up to float32 rounding, y = t * rstd), then q."""
         acc, amax = sumsq_amax_row(call, at, live, tx, trips, sc)
         total, amax = row_sum_max(acc, amax, red, buf, ty, tx)
-        r = float32(1.0) / math.sqrt(total / n_f32 + call.eps)
+        r = rsqrt(total / n_f32 + call.eps)
         scale = amax * r / qmax
         if not math.isfinite(total):
             scale = total * float32(0.0)    # NaN: a row holding NaN / Inf says so in yscale
@@ -524,7 +524,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             _, inv, pre = scale_of(given if given > float32(0.0) else call.arrays.yscale[0])
         acc = sumsq_row(call, at, live, tx, trips, sc)
         total = row_sum(acc, red, buf, ty, tx)
-        r = float32(1.0) / math.sqrt(total / n_f32 + call.eps)
+        r = rsqrt(total / n_f32 + call.eps)
         if static:
             a = r * pre
         if cached:
@@ -572,7 +572,7 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             return
         acc = sumsq_row(call, at, live, tx, trips, sc)
         total = row_sum(acc, red, buf, ty, tx)
-        r = float32(1.0) / math.sqrt(total / n_f32 + call.eps)
+        r = rsqrt(total / n_f32 + call.eps)
         if store_rstd and live and tx == 0:
             call.arrays.rstd[row] = r
         if live:
