@@ -636,39 +636,36 @@ def define_fast_math(intrinsic, vendor):
     def amd_unary(builder, name, value):
         return builder.call(_float_function(builder.module, name, 1), [value])
 
-    @intrinsic
-    def sigmoid(typingctx, value):
-        if not isinstance(value, types.Float):
-            return None
+    def float_unary(emit):
+        """An intrinsic of one float argument, taken as float32: ``emit(builder, v)``."""
+        @intrinsic
+        def unary(typingctx, value):
+            if not isinstance(value, types.Float):
+                return None
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            t = builder.fmul(v, ir.Constant(f32, -_LOG2E))
-            if vendor == "nvidia":
-                e = ptx_unary(builder, "ex2.approx.ftz.f32", t)
-                return ptx_unary(builder, "rcp.approx.ftz.f32",
-                                 builder.fadd(e, ir.Constant(f32, 1.0)))
-            e = amd_unary(builder, "llvm.exp2.f32", t)
-            return amd_unary(builder, "llvm.amdgcn.rcp.f32", builder.fadd(e, ir.Constant(f32, 1.0)))
+            def codegen(context, builder, sig, args):
+                return emit(builder, context.cast(builder, args[0], sig.args[0], types.float32))
 
-        return types.float32(value), codegen
+            return types.float32(value), codegen
 
-    @intrinsic
-    def rsqrt(typingctx, value):
-        if not isinstance(value, types.Float):
-            return None
+        return unary
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.float32)
-            if vendor == "nvidia":
-                return ptx_unary(builder, "rsqrt.approx.f32", v)
-            # v_rsq_f32 may flush a subnormal input (inf out): such a v is taken as v * 2**24
-            # and its result scaled back by 2**12
-            small = builder.fcmp_ordered("<", v, ir.Constant(f32, 2.0 ** -126))
-            r = amd_unary(builder, "llvm.amdgcn.rsq.f32", builder.select(
-                small, builder.fmul(v, ir.Constant(f32, 2.0 ** 24)), v))
-            return builder.select(small, builder.fmul(r, ir.Constant(f32, 2.0 ** 12)), r)
+    def sigmoid(builder, v):
+        t = builder.fmul(v, ir.Constant(f32, -_LOG2E))
+        if vendor == "nvidia":
+            e = ptx_unary(builder, "ex2.approx.ftz.f32", t)
+            return ptx_unary(builder, "rcp.approx.ftz.f32", builder.fadd(e, ir.Constant(f32, 1.0)))
+        e = amd_unary(builder, "llvm.exp2.f32", t)
+        return amd_unary(builder, "llvm.amdgcn.rcp.f32", builder.fadd(e, ir.Constant(f32, 1.0)))
 
-        return types.float32(value), codegen
+    def rsqrt(builder, v):
+        if vendor == "nvidia":
+            return ptx_unary(builder, "rsqrt.approx.f32", v)
+        # v_rsq_f32 may flush a subnormal input (inf out): such a v is taken as v * 2**24 and
+        # its result scaled back by 2**12
+        small = builder.fcmp_ordered("<", v, ir.Constant(f32, 2.0 ** -126))
+        r = amd_unary(builder, "llvm.amdgcn.rsq.f32", builder.select(
+            small, builder.fmul(v, ir.Constant(f32, 2.0 ** 24)), v))
+        return builder.select(small, builder.fmul(r, ir.Constant(f32, 2.0 ** 12)), r)
 
-    return dict(sigmoid=sigmoid, rsqrt=rsqrt)
+    return dict(sigmoid=float_unary(sigmoid), rsqrt=float_unary(rsqrt))
