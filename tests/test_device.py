@@ -188,6 +188,41 @@ def test_fused_add_contract_in_place_and_invariance(m, n, dtype):
     assert torch.equal(raw(torch.cat([a[1] for a in alone])), raw(ro[rows]))
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
+def test_cuda_add_pairs_round_the_exact_sum_once(fmt):
+    """CUDA's add_bf16x2 / add_f16x2 (one packed instruction a word: the streamed fused add's
+    h) give the exact sum rounded once on random words, near pairs (carries, cancellation,
+    ties) and every pair of the smallest magnitudes; NaN where the sum is NaN."""
+    from numba import cuda as nb_cuda
+    from test_intrinsics import (ADDERS, CODECS, assert_bitwise_u, near_pairs,
+                                 random_f32_bits, sum_pairs_expected)
+
+    from rmsnorm_hip import intrinsics
+    add, dtype = getattr(intrinsics.load("cuda"), ADDERS[fmt]), CODECS[fmt][2]
+
+    @nb_cuda.jit
+    def add_words(a, b, out):
+        i = nb_cuda.grid(1)
+        if i < out.size:
+            out[i] = add(a[i], b[i])
+
+    rng = np.random.default_rng(7)
+    small = np.arange(1 << 9, dtype=np.uint32) | np.uint32(0x8000) * (np.arange(1 << 9) & 1)
+    grid_a, grid_b = np.meshgrid(small, small)
+    near_a, near_b = near_pairs(rng, 1 << 20, dtype)
+    a = np.concatenate([random_f32_bits(rng, 1 << 20), near_a, grid_a.ravel()])
+    b = np.concatenate([random_f32_bits(rng, 1 << 20), near_b,
+                        grid_b.ravel() | (grid_a.ravel() << np.uint32(16))])
+    out = nb_cuda.device_array(a.size, np.uint32)
+    add_words[(a.size + 255) // 256, 256](nb_cuda.to_device(a), nb_cuda.to_device(b), out)
+    got = out.copy_to_host()
+    for shift, expected in zip((0, 16), sum_pairs_expected(a, b, dtype)):
+        half = ((got >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16)
+        nan = np.isnan(expected.astype(np.float32))
+        assert np.array_equal(np.isnan(half.view(dtype).astype(np.float32)), nan), fmt
+        assert_bitwise_u(half[~nan], expected.view(np.uint16)[~nan], f"{ADDERS[fmt]} bits")
+
+
 @pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("m,n", SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -184,6 +184,73 @@ def assert_bitwise_u(got, expected, what):
                           f"vs {expected[bad[0]]:#x}"
 
 
+# ---- the fused add's packed 16-bit sums -------------------------------------------------------
+ADDERS = {"bfloat16": "add_bf16x2", "float16": "add_f16x2"}
+
+
+def _njit_map2(fn):
+    @numba.njit
+    def apply(a, b):
+        out = np.empty(a.size, np.uint32)
+        for i in range(a.size):
+            out[i] = fn(a[i], b[i])
+        return out
+    return apply
+
+
+def sum_pairs_expected(a, b, dtype):
+    """Each 16-bit half of words ``a`` and ``b`` summed exactly (float64 holds any float16 sum;
+    a bfloat16 one rounded to 53 bits first rounds to the same bfloat16) and rounded once to
+    ``dtype``: the uint16 halves, low then high."""
+    out = []
+    for shift in (0, 16):
+        x = ((a >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16).view(dtype)
+        y = ((b >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16).view(dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            out.append((x.astype(np.float64) + y.astype(np.float64)).astype(dtype))
+    return out
+
+
+def near_pairs(rng, size, dtype):
+    """Words whose halves are (x, y) with y's exponent 0-13 below x's, either sign: sums that
+    carry, cancel and round, ties included, across every exponent."""
+    mant, expo = (7, 8) if dtype == BF16 else (10, 5)
+    x = rng.integers(0, 1 << 16, size).astype(np.int64)
+    e = (x >> mant) & ((1 << expo) - 1)
+    e_y = np.clip(e - rng.integers(0, 14, size), 0, (1 << expo) - 2)
+    y = (rng.integers(0, 2, size) << 15) | (e_y << mant) | rng.integers(0, 1 << mant, size)
+    halves = x.astype(np.uint32), y.astype(np.uint32)
+    return (halves[0] | (halves[1] << np.uint32(16)), halves[1] | (halves[0] << np.uint32(16)))
+
+
+@pytest.mark.parametrize("fmt", list(ADDERS))
+def test_add_pairs_round_the_exact_sum_once(fmt, rng):
+    """add_bf16x2 / add_f16x2 (the streamed fused add's h, a word at a time) against the exact
+    sum rounded once: random words, near pairs (carries, cancellation, ties), every pair of
+    the smallest magnitudes (subnormals) with either sign; the simulator's namespace on a
+    sample gives the CPU's bits."""
+    dtype = CODECS[fmt][2]
+    add = _njit_map2(getattr(intrinsics.load("cpu"), ADDERS[fmt]))
+    small = np.arange(1 << 9, dtype=np.uint32) | np.uint32(0x8000) * (np.arange(1 << 9) & 1)
+    grid_a, grid_b = np.meshgrid(small, small)
+    near_a, near_b = near_pairs(rng, 500_000, dtype)
+    a = np.concatenate([random_f32_bits(rng, 500_000), near_a, grid_a.ravel()])
+    b = np.concatenate([random_f32_bits(rng, 500_000), near_b,
+                        grid_b.ravel() | (grid_a.ravel() << np.uint32(16))])
+    got = add(a, b)
+    for shift, expected in zip((0, 16), sum_pairs_expected(a, b, dtype)):
+        half = ((got >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16)
+        nan = np.isnan(expected.astype(np.float32))
+        assert np.array_equal(np.isnan(half.view(dtype).astype(np.float32)), nan), \
+            f"{fmt}: NaN positions differ"
+        assert_bitwise_u(half[~nan], expected.view(np.uint16)[~nan], f"{ADDERS[fmt]} bits")
+    sim_add = getattr(intrinsics.load("sim"), ADDERS[fmt])
+    pick = rng.integers(0, a.size, 3000)
+    with np.errstate(over="ignore", invalid="ignore"):     # inf - inf: NaN, as on a GPU
+        sim_got = np.array([sim_add(a[i], b[i]) for i in pick], np.uint32)
+    assert_bitwise_u(sim_got, got[pick], f"sim {ADDERS[fmt]} vs cpu")
+
+
 # ---- the 8-bit quantised encoders ---------------------------------------------------------------
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 

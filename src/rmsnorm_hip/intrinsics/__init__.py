@@ -18,6 +18,10 @@ Names every GPU namespace provides
 ``pack_bf16x2``, ``pack_f16x2``  two float32 -> one uint32 of two 16-bit floats (lo in bits
                                   0-15), round-to-nearest-even (NaN stays NaN; its bits may
                                   differ by backend)
+``add_bf16x2``, ``add_f16x2``      two uint32 words of two 16-bit floats each -> the word of the
+                                  elementwise sums, each rounded once to nearest even (the fused
+                                  add's h; CUDA: one packed instruction a word, a NaN's bits may
+                                  differ from the float32 form's)
 ``f32_to_i8``, ``f32_to_e4m3``     8-bit quantised levels: int8 (an int32 in [-127, 127]) and
                                   float8 e4m3fn bits (uint32), round-to-nearest-even, saturating
                                   (+-127 / +-448); NaN -> 0 (int8) / NaN (e4m3fn).  CUDA's int8
@@ -80,6 +84,7 @@ import functools
 COMMON = frozenset({
     "name", "warp", "gpu", "jitable", "features", "fma", "f32_as_u32", "u32_as_f32",
     "bf16_to_f32", "f32_to_bf16", "f16_to_f32", "f32_to_f16", "pack_bf16x2", "pack_f16x2",
+    "add_bf16x2", "add_f16x2",
     "f32_to_i8", "f32_to_e4m3", "f32_to_e2m1", "pack_e4m3x2", "mx_pack_e2m1x2", "mx_pack_e2m1x8",
     "mx_pack_e4m3x2",
     "max_nan", "warp_sum", "warp_max", "shfl_xor", "sigmoid", "rsqrt"})

@@ -328,6 +328,35 @@ def _ptx_pair(context, builder, sig, args, instruction, bits):
     return packed if bits == 32 else builder.zext(packed, I32)
 
 
+def define_ptx_add_pairs(intrinsic):
+    """``add_bf16x2`` / ``add_f16x2`` in one PTX instruction a word: ``fma.rn.bf16x2`` by 1.0
+    (sm_80; ``add.rn.bf16x2`` is sm_90's) and ``add.rn.f16x2``, each half the exact sum rounded
+    once.  The float32 sum rounded again to 16 bits is the same number (24 >= 2 * 11 + 2: one
+    rounding after another of that width is the single rounding), so only a NaN's bits may differ
+    from the shared form's."""
+    def define_one(template):
+        @intrinsic
+        def add_pairs(typingctx, a, b):
+            if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+                return None
+
+            def codegen(context, builder, sig, args):
+                x = context.cast(builder, args[0], sig.args[0], types.uint32)
+                y = context.cast(builder, args[1], sig.args[1], types.uint32)
+                asm = ir.InlineAsm(ir.FunctionType(I32, [I32, I32]), template, "=r,r,r",
+                                   side_effect=False)
+                return builder.call(asm, [x, y])
+
+            return types.uint32(a, b), codegen
+
+        return add_pairs
+
+    return dict(
+        add_bf16x2=define_one("{ .reg .b32 one; mov.b32 one, 0x3F803F80; "
+                              "fma.rn.bf16x2 $0, $1, one, $2; }"),
+        add_f16x2=define_one("add.rn.f16x2 $0, $1, $2;"))
+
+
 def define_ptx_quant(intrinsic, pack_e4m3x2_integer):
     """NVIDIA's 8-bit conversions: ``f32_to_i8`` through ``cvt.rni.sat.s8.f32`` alone (round to
     nearest even, NaN -> 0, saturating to [-128, 127]: the quantiser's |y / yscale| is at most

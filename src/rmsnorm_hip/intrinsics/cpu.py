@@ -20,4 +20,5 @@ def build():
                            jitable=register_jitable,
                            f32_as_u32=compiled["f32_as_u32"], u32_as_f32=compiled["u32_as_f32"],
                            fma=compiled["fma"],
+                           **_shared.make_add_pairs(register_jitable, vars(shared)),
                            **vars(shared))

@@ -78,6 +78,7 @@ def build(arch=None):
 
     shared.update(atomic_add_f32x4=atomic_add_f32x4)
     shared.update(_llvm.define_fast_math(intrinsic, "amd"))
+    shared.update(_shared.make_add_pairs(register_jitable, shared))
     features = {"gpu"}
     if arch in MX_HW_ARCHS:
         shared.update(_llvm.define_amd_mx_convert(intrinsic))

@@ -337,6 +337,7 @@ def build(warp):
     shared.warp_sum, shared.warp_max = _make_warp_reductions(warp, shared.max_nan)
     shared.f32_to_i8 = f32_to_i8
     shared.sigmoid = sigmoid
+    vars(shared).update(_shared.make_add_pairs(_identity, vars(shared)))
     return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="sim", warp=warp,
                            shared_alignment=16, gpu=_SimGpu(), jitable=_identity,
                            f32_as_u32=f32_as_u32, u32_as_f32=u32_as_f32, load_b128=load_b128,

@@ -25,14 +25,15 @@ class ChunkIO:
     Both forms also have ``load_words(ptr, start, col0, words, at)``, the chunk kept as the four
     uint32 words of its 128-bit load (eight 16-bit elements in four registers; the scalar form
     assembles them as ``load`` reads the chunk), and ``words_to_floats(w0, w1, w2, w3, vals,
-    slot)``, which decodes them exactly as ``load`` does.  ``store`` and ``load_words`` take
-    chunks of 16 bytes (x's); ``load`` any number of 16-byte spans (a float32 weight's chunk of
-    8 is two).  ``stream``: the vector form loads through ``load_b128_stream`` (data read
-    once)."""
+    slot)``, which decodes them exactly as ``load`` does; the vector form also
+    ``store_words(ptr, start, col0, words, at)``, four such words stored as they are (None in
+    the scalar form).  ``store`` and ``load_words`` take chunks of 16 bytes (x's); ``load`` any
+    number of 16-byte spans (a float32 weight's chunk of 8 is two).  ``stream``: the vector
+    form loads through ``load_b128_stream`` (data read once)."""
 
     def __init__(self, intr, dtype, chunk, n, vector, shifted=True, stream=False):
-        self.load, self.store, self.load_words, self.words_to_floats = _make_chunk_io(
-            intr, dtype, chunk, n, vector, shifted, stream)
+        (self.load, self.store, self.load_words, self.words_to_floats,
+         self.store_words) = _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream)
 
 
 def _gpu_only(intr, name):
@@ -95,8 +96,12 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream=False):
     def pair(vals, at):
         return pack2(vals[at], vals[at + 1])
 
-    load_words = None
+    load_words = store_words = None
     if vector:
+        @jitable
+        def store_words(ptr, start, col0, words, at):
+            store_b128(ptr, start + col0, words[at], words[at + 1], words[at + 2], words[at + 3])
+
         @jitable
         def load_words(ptr, start, col0, words, at):
             w0, w1, w2, w3 = load_b128(ptr, start + col0)
@@ -243,7 +248,13 @@ def _make_chunk_io(intr, dtype, chunk, n, vector, shifted, stream=False):
                     else:
                         ptr[start + col0 + e] = vals[slot + e]
 
-    return load, store, load_words, words_to_floats
+    return load, store, load_words, words_to_floats, store_words
+
+
+def pair_adder(intr, dtype):
+    """The intrinsic adding two words of 16-bit floats of ``dtype`` half by half, each sum
+    rounded once (``add_bf16x2`` / ``add_f16x2``); None for float32."""
+    return {_dtypes.BFLOAT16: intr.add_bf16x2, _dtypes.FLOAT16: intr.add_f16x2}.get(dtype)
 
 
 def make_chunk_dot(intr, chunk):

@@ -48,7 +48,7 @@ from ._config import FwdSpec
 from ._config import GROUP_SCALINGS
 from ._rowops import (ChunkIO, codec, make_accumulate, make_chunk_sumsq, make_fp4_store,
                       make_group_scale, make_quant_store, make_row_sum, make_row_sum_max,
-                      reduce_buffer_shape)
+                      pair_adder, reduce_buffer_shape)
 
 
 # Records the row pieces take, built once at the kernel's entry (numba named tuples: free after
@@ -172,6 +172,11 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
     # the second word buffer: the residual's, or a gated row's z (a gated row has no residual)
     residual_words = words if has_residual or gate else 1
     load_words, words_to_floats = x_io.load_words, x_io.words_to_floats
+    store_words = x_io.store_words
+    # streamed 16-bit rows form h = round(x + residual) a word at a time (two elements in one
+    # rounding add) and store residual_out from those words
+    add_pairs = pair_adder(intr, spec.dtype) if stream and has_residual else None
+    packed_add = add_pairs is not None
     wait_prior_grids, release_dependents = intr.wait_prior_grids, intr.release_dependents
     warp_max, max_nan, shfl_xor = intr.warp_max, intr.max_nan, intr.shfl_xor
     sigmoid, rsqrt = intr.sigmoid, intr.rsqrt
@@ -624,9 +629,13 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
         """One row of a streamed program: h from ``this_words``, the next row's loaded
         into ``next_words`` before this row's stores and reduction."""
         live = row < call.m
+        hw = this_words.x
         for k in range(per_thread):
-            words_to_chunk(this_words.x, k, sc.vals, k * chunk)
-            if has_residual:
+            if packed_add:   # h's words in place of x's
+                for j in range(k * 4, k * 4 + 4):
+                    hw[j] = add_pairs(hw[j], this_words.residual[j])
+            words_to_chunk(hw, k, sc.vals, k * chunk)
+            if has_residual and not packed_add:
                 words_to_chunk(this_words.residual, k, sc.rvals, 0)
                 add_residual(sc.vals, k * chunk, sc.rvals, 0)
             if gate:
@@ -638,7 +647,11 @@ def make_rmsnorm_fwd(intr, spec: FwdSpec):
             for k in range(per_thread):
                 col0 = (tx + k * threads) * chunk
                 if live and (full or col0 < n):
-                    store_y(call.arrays.residual_out, at.residual_out, col0, sc.vals, k * chunk)
+                    if packed_add:
+                        store_words(call.arrays.residual_out, at.residual_out, col0, hw, k * 4)
+                    else:
+                        store_y(call.arrays.residual_out, at.residual_out, col0, sc.vals,
+                                k * chunk)
         normalise_row(call, at, row, live, tx, ty, per_thread, red, buf, sc)
 
     @jitable
