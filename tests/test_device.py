@@ -191,36 +191,46 @@ def test_fused_add_contract_in_place_and_invariance(m, n, dtype):
 @pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
 def test_cuda_add_pairs_round_the_exact_sum_once(fmt):
     """CUDA's add_bf16x2 / add_f16x2 (one packed instruction a word: the streamed fused add's
-    h) give the exact sum rounded once on random words, near pairs (carries, cancellation,
-    ties) and every pair of the smallest magnitudes; NaN where the sum is NaN."""
+    h) give the float32 form's word, NaN bits included, for every pair of 16-bit patterns (each
+    pair in both halves), and the exact sum rounded once on test_intrinsics' cases."""
     from numba import cuda as nb_cuda
-    from test_intrinsics import (ADDERS, CODECS, assert_bitwise_u, near_pairs,
-                                 random_f32_bits, sum_pairs_expected)
+    from numba import uint32, uint64
+    from numba.core.extending import register_jitable
+    from test_intrinsics import ADDERS, CODECS, add_pairs_cases, assert_add_pairs
 
     from rmsnorm_hip import intrinsics
-    add, dtype = getattr(intrinsics.load("cuda"), ADDERS[fmt]), CODECS[fmt][2]
+    from rmsnorm_hip.intrinsics import _shared
+    cuda_ns = intrinsics.load("cuda")
+    packed = getattr(cuda_ns, ADDERS[fmt])
+    float32_form = _shared.make_add_pairs(register_jitable, vars(cuda_ns))[ADDERS[fmt]]
+
+    @nb_cuda.jit
+    def every_pair(base, mismatches):
+        i = uint64(nb_cuda.grid(1)) + uint64(base)
+        x = uint32(i & uint64(0xFFFF))
+        y = uint32(i >> uint64(16))
+        a, b = x | (y << uint32(16)), y | (x << uint32(16))
+        got, want = packed(a, b), float32_form(a, b)
+        if got != want and nb_cuda.atomic.add(mismatches, 0, 1) == 0:
+            mismatches[1], mismatches[2], mismatches[3], mismatches[4] = a, b, got, want
+
+    mismatches = nb_cuda.to_device(np.zeros(5, np.int64))
+    for base in range(0, 1 << 32, 1 << 30):
+        every_pair[(1 << 30) // 256, 256](base, mismatches)
+    count, a, b, got, want = mismatches.copy_to_host()
+    assert count == 0, f"{count} words differ, first {a:#x} + {b:#x}: {got:#x} vs {want:#x}"
 
     @nb_cuda.jit
     def add_words(a, b, out):
         i = nb_cuda.grid(1)
         if i < out.size:
-            out[i] = add(a[i], b[i])
+            out[i] = packed(a[i], b[i])
 
-    rng = np.random.default_rng(7)
-    small = np.arange(1 << 9, dtype=np.uint32) | np.uint32(0x8000) * (np.arange(1 << 9) & 1)
-    grid_a, grid_b = np.meshgrid(small, small)
-    near_a, near_b = near_pairs(rng, 1 << 20, dtype)
-    a = np.concatenate([random_f32_bits(rng, 1 << 20), near_a, grid_a.ravel()])
-    b = np.concatenate([random_f32_bits(rng, 1 << 20), near_b,
-                        grid_b.ravel() | (grid_a.ravel() << np.uint32(16))])
+    dtype = CODECS[fmt][2]
+    a, b = add_pairs_cases(np.random.default_rng(7), 1 << 20, dtype)
     out = nb_cuda.device_array(a.size, np.uint32)
     add_words[(a.size + 255) // 256, 256](nb_cuda.to_device(a), nb_cuda.to_device(b), out)
-    got = out.copy_to_host()
-    for shift, expected in zip((0, 16), sum_pairs_expected(a, b, dtype)):
-        half = ((got >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16)
-        nan = np.isnan(expected.astype(np.float32))
-        assert np.array_equal(np.isnan(half.view(dtype).astype(np.float32)), nan), fmt
-        assert_bitwise_u(half[~nan], expected.view(np.uint16)[~nan], f"{ADDERS[fmt]} bits")
+    assert_add_pairs(out.copy_to_host(), a, b, dtype, ADDERS[fmt])
 
 
 @pytest.mark.parametrize("quant", ["int8", "float8_e4m3fn"])

@@ -223,32 +223,54 @@ def near_pairs(rng, size, dtype):
     return (halves[0] | (halves[1] << np.uint32(16)), halves[1] | (halves[0] << np.uint32(16)))
 
 
-@pytest.mark.parametrize("fmt", list(ADDERS))
-def test_add_pairs_round_the_exact_sum_once(fmt, rng):
-    """add_bf16x2 / add_f16x2 (the streamed fused add's h, a word at a time) against the exact
-    sum rounded once: random words, near pairs (carries, cancellation, ties), every pair of
-    the smallest magnitudes (subnormals) with either sign; the simulator's namespace on a
-    sample gives the CPU's bits."""
-    dtype = CODECS[fmt][2]
-    add = _njit_map2(getattr(intrinsics.load("cpu"), ADDERS[fmt]))
-    small = np.arange(1 << 9, dtype=np.uint32) | np.uint32(0x8000) * (np.arange(1 << 9) & 1)
-    grid_a, grid_b = np.meshgrid(small, small)
-    near_a, near_b = near_pairs(rng, 500_000, dtype)
-    a = np.concatenate([random_f32_bits(rng, 500_000), near_a, grid_a.ravel()])
-    b = np.concatenate([random_f32_bits(rng, 500_000), near_b,
-                        grid_b.ravel() | (grid_a.ravel() << np.uint32(16))])
-    got = add(a, b)
+# +-0, the smallest and largest subnormal, the smallest normal, 1, the largest finite, inf, a
+# quiet and a signalling NaN
+SPECIAL_16 = {BF16: [0x0000, 0x0001, 0x007F, 0x0080, 0x3F80, 0x7F7F, 0x7F80, 0x7FC0, 0x7F81],
+              F16: [0x0000, 0x0001, 0x03FF, 0x0400, 0x3C00, 0x7BFF, 0x7C00, 0x7E00, 0x7C01]}
+
+
+def add_pairs_cases(rng, size, dtype):
+    """Word pairs (a, b) for the packed adds: ``size`` random words, ``size`` near pairs, every
+    pair of the 1024 smallest magnitudes with either sign (subnormal sums, x + -x, carries
+    into the normal range) and every pair of SPECIAL_16 with either sign; each grid pair sits
+    in the low halves and, swapped, in the high ones."""
+    near_a, near_b = near_pairs(rng, size, dtype)
+    grids = []
+    for values in (np.arange(1 << 10), np.array(SPECIAL_16[dtype])):
+        signed = np.concatenate([values, values | 0x8000]).astype(np.uint32)
+        x, y = (v.ravel() for v in np.meshgrid(signed, signed))
+        grids.append((x | (y << np.uint32(16)), y | (x << np.uint32(16))))
+    return (np.concatenate([random_f32_bits(rng, size), near_a] + [g[0] for g in grids]),
+            np.concatenate([random_f32_bits(rng, size), near_b] + [g[1] for g in grids]))
+
+
+def assert_add_pairs(got, a, b, dtype, what):
+    """Words ``got`` hold the exact sums of ``a`` and ``b``'s halves rounded once: bitwise where
+    the sum is a number, a quiet NaN where it is NaN (NaN signs are the machine's: x86 makes
+    inf - inf negative)."""
+    quiet_bit = np.uint16(0x0040 if dtype == BF16 else 0x0200)
     for shift, expected in zip((0, 16), sum_pairs_expected(a, b, dtype)):
         half = ((got >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16)
         nan = np.isnan(expected.astype(np.float32))
         assert np.array_equal(np.isnan(half.view(dtype).astype(np.float32)), nan), \
-            f"{fmt}: NaN positions differ"
-        assert_bitwise_u(half[~nan], expected.view(np.uint16)[~nan], f"{ADDERS[fmt]} bits")
+            f"{what}: NaN positions differ"
+        assert np.all(half[nan] & quiet_bit), f"{what}: a NaN came out signalling"
+        assert_bitwise_u(half[~nan], expected.view(np.uint16)[~nan], what)
+
+
+@pytest.mark.parametrize("fmt", list(ADDERS))
+def test_add_pairs_round_the_exact_sum_once(fmt, rng):
+    """add_bf16x2 / add_f16x2 (the streamed fused add's h, a word at a time) against the exact
+    sum rounded once (add_pairs_cases): the CPU's namespace, and the simulator's on a sample."""
+    dtype = CODECS[fmt][2]
+    a, b = add_pairs_cases(rng, 500_000, dtype)
+    got = _njit_map2(getattr(intrinsics.load("cpu"), ADDERS[fmt]))(a, b)
+    assert_add_pairs(got, a, b, dtype, ADDERS[fmt])
     sim_add = getattr(intrinsics.load("sim"), ADDERS[fmt])
     pick = rng.integers(0, a.size, 3000)
     with np.errstate(over="ignore", invalid="ignore"):     # inf - inf: NaN, as on a GPU
         sim_got = np.array([sim_add(a[i], b[i]) for i in pick], np.uint32)
-    assert_bitwise_u(sim_got, got[pick], f"sim {ADDERS[fmt]} vs cpu")
+    assert_add_pairs(sim_got, a[pick], b[pick], dtype, f"sim {ADDERS[fmt]}")
 
 
 # ---- the 8-bit quantised encoders ---------------------------------------------------------------

@@ -19,9 +19,9 @@ Names every GPU namespace provides
                                   0-15), round-to-nearest-even (NaN stays NaN; its bits may
                                   differ by backend)
 ``add_bf16x2``, ``add_f16x2``      two uint32 words of two 16-bit floats each -> the word of the
-                                  elementwise sums, each rounded once to nearest even (the fused
-                                  add's h; CUDA: one packed instruction a word, a NaN's bits may
-                                  differ from the float32 form's)
+                                  elementwise sums, each the exact sum rounded once to nearest
+                                  even (the fused add's h; CUDA: one packed instruction a word,
+                                  the float32 form's words elsewhere)
 ``f32_to_i8``, ``f32_to_e4m3``     8-bit quantised levels: int8 (an int32 in [-127, 127]) and
                                   float8 e4m3fn bits (uint32), round-to-nearest-even, saturating
                                   (+-127 / +-448); NaN -> 0 (int8) / NaN (e4m3fn).  CUDA's int8

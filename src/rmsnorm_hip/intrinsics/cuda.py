@@ -65,7 +65,8 @@ def build():
     compiled.update(_llvm.define_grid_dependency(intrinsic))
     compiled.update(_llvm.define_l2_prefetch(intrinsic))
     shared.update(_llvm.define_fast_math(intrinsic, "nvidia"))
-    # the fused add's h in one packed instruction a word of x and residual
+    # the fused add's h in one packed instruction a word of x and residual, where the float32
+    # form converts each element three times (streamed rows are issue-bound at decode sizes)
     shared.update(_llvm.define_ptx_add_pairs(intrinsic))
     return SimpleNamespace(features=frozenset({"gpu", "max_abs_nan"}), name="cuda", warp=WARP,
                            shared_alignment=16,
