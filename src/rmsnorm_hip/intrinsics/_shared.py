@@ -204,21 +204,14 @@ def make_add_pairs(jitable, namespace):
     """``add_bf16x2`` / ``add_f16x2`` from a namespace's codecs (a dict of its names): each half
     of two words of 16-bit floats decoded, added in float32 and the sum rounded to 16 bits, as
     the fused add rounds h.  The namespace's final codecs, so that NaN bits match its stores."""
-    bf16_to_f32, pack_bf16x2 = namespace["bf16_to_f32"], namespace["pack_bf16x2"]
-    f16_to_f32, pack_f16x2 = namespace["f16_to_f32"], namespace["pack_f16x2"]
+    def adder(decode, pack):
+        @jitable
+        def add_pairs(a, b):
+            x, y = uint32(a), uint32(b)
+            return pack(decode(x & uint32(0xFFFF)) + decode(y & uint32(0xFFFF)),
+                        decode(x >> uint32(16)) + decode(y >> uint32(16)))
 
-    @jitable
-    def add_bf16x2(a, b):
-        x, y = uint32(a), uint32(b)
-        return pack_bf16x2(
-            bf16_to_f32(x & uint32(0xFFFF)) + bf16_to_f32(y & uint32(0xFFFF)),
-            bf16_to_f32(x >> uint32(16)) + bf16_to_f32(y >> uint32(16)))
+        return add_pairs
 
-    @jitable
-    def add_f16x2(a, b):
-        x, y = uint32(a), uint32(b)
-        return pack_f16x2(
-            f16_to_f32(x & uint32(0xFFFF)) + f16_to_f32(y & uint32(0xFFFF)),
-            f16_to_f32(x >> uint32(16)) + f16_to_f32(y >> uint32(16)))
-
-    return dict(add_bf16x2=add_bf16x2, add_f16x2=add_f16x2)
+    return dict(add_bf16x2=adder(namespace["bf16_to_f32"], namespace["pack_bf16x2"]),
+                add_f16x2=adder(namespace["f16_to_f32"], namespace["pack_f16x2"]))
