@@ -523,12 +523,14 @@ def _host(a):
 
 # (format, shape, dtype, what the case covers): every scaling kind on the streamed cached row
 # (its scales one group a lane: 16 and 4 lanes a group, the chunks past N = 5120; two chunks a
-# thread in two-row blocks at N = 272, a row past M, and on a 64-lane warp at N = 320), a
+# thread in two-row blocks at N = 272, a row past M, and on a 64-lane warp at N = 320; static
+# with a residual in its own layout, a row alone bitwise the batch's), a
 # multi-row block (N = 128: 16-lane rows), the scalar form (a vector call, then its rows from
 # unaligned memory: bitwise the same), the looped row (full tier), a 64-lane warp
 SIM_CASES = [
     ("group128_fp8", (3, 4096), BFLOAT16, "stream"),
     ("group32_int8", (3, 5120), BFLOAT16, "stream"),
+    ("static_fp8", (3, 4096), BFLOAT16, "stream_residual"),
     ("group16_int8_ue8m0", (3, 272), FLOAT32, "multirow"),
     ("mxfp8", (3, 320), FLOAT32, "warp64"),
     ("group16_int8_ue8m0", (5, 128), FLOAT32, "multirow"),
@@ -552,13 +554,16 @@ def test_sim_paths(rng, monkeypatch, name, shape, dtype, path):
     be = _sim(monkeypatch, 64 if path == "warp64" else 32)
     x = make_x(rng, shape, dtype)
     w = random_array(rng, shape[-1], FLOAT32, loc=1.0, scale=0.5)
-    kwargs = dict(residual=make_x(rng, shape, dtype)) if path == "scalar" else {}
+    kwargs = dict(residual=make_x(rng, shape, dtype)) if path in ("scalar",
+                                                                   "stream_residual") else {}
     with launched_specs(be) as specs, guarded_outputs() as guards:
         result = rms_norm_quant(x, w, **fmt.kwargs, **kwargs)
     check_guards(guards, fmt, shape[0])
     (spec,) = specs
     assert spec.scaling and spec.quant == fmt.kwargs["quant_dtype"]
     covered = {"stream": spec.stream and spec.rows == 1, "multirow": spec.rows > 1,
+               "stream_residual": spec.stream and spec.residual
+               and spec.layout == _config.quant_row_layout(shape[-1], dtype, "cuda", True),
                "scalar": spec.vector, "looped": not spec.layout.cached,
                "warp64": be.intrinsics.warp == 64}
     assert covered[path], spec
@@ -566,6 +571,11 @@ def test_sim_paths(rng, monkeypatch, name, shape, dtype, path):
     q_np = parts[0].view(ml_dtypes.float8_e4m3fn) if (
         fmt.kwargs["quant_dtype"] == "float8_e4m3fn") else parts[0]
     check(fmt, x, w, (q_np,) + parts[1:], **kwargs)
+    if path == "stream_residual":   # a decode call's row: bitwise the same as in the batch
+        alone = rms_norm_quant(x[1:2].copy(), w, **fmt.kwargs, residual=kwargs["residual"][1:2])
+        for a, b in zip(alone, parts):
+            assert_bitwise(_host(a)[0].view(np.uint8), b[1].view(np.uint8),
+                           f"{name}: row 1 alone vs in its batch")
     if path == "scalar":    # the same rows from unaligned memory: bitwise the vector kernel's
         with launched_specs(be) as specs:
             twin = rms_norm_quant(aligned_copy(x, offset=2), w, **fmt.kwargs,

@@ -25,6 +25,11 @@ CHUNKS_PER_THREAD = {2: 3, 4: 4}
 # 32768x4096).  AMD takes 2 at 16-bit: at 3 or 4 the row needs more than the 64 VGPRs that keep
 # 8 waves per SIMD (aot.MAIN_KERNEL_MAX_VGPRS).  The simulator runs the NVIDIA layouts.
 QUANT_CHUNKS_PER_THREAD = {"cuda": {2: 4, 4: 4}, "hip": {2: 2, 4: 4}}
+# static-scaled rows with a residual: the quantised row with the least work an element, and two
+# load streams.  A small batch's row is then bound by latency, which NVIDIA's 8 warps of 2
+# chunks hide better than 4 warps of 4 (H100, bf16 N = 4096: 0.08-0.60 us less a call in a CUDA
+# graph at M = 1-512, level at 4096x4096 and 32768x4096; docs/performance.md)
+STATIC_RESIDUAL_CHUNKS_PER_THREAD = {"cuda": {2: 2, 4: 4}, "hip": {2: 2, 4: 4}}
 MAX_CACHED_FLOATS = 32      # row values a thread keeps in registers between the two passes
 # threads per block when a row needs fewer (several rows per block); >= 64 so AMD wavefronts
 # are full.  128, 256 and 512 measured within a point of each other on the H200.
@@ -99,10 +104,12 @@ def gated_row_layout(n, dtype, vendor="cuda"):
                    unit=GATED_ROW_UNIT[vendor])
 
 
-def quant_row_layout(n, dtype, vendor="cuda"):
+def quant_row_layout(n, dtype, vendor="cuda", static_residual=False):
     """The quantised forward's per-row reduction shape: a function of ``n`` and ``dtype`` only on
-    a given vendor's GPUs."""
-    chunks = QUANT_CHUNKS_PER_THREAD[vendor][_dtypes.ITEMSIZE[dtype]]
+    a given vendor's GPUs, for each kind of quantised row (``static_residual``: a static scale
+    and a residual)."""
+    table = STATIC_RESIDUAL_CHUNKS_PER_THREAD if static_residual else QUANT_CHUNKS_PER_THREAD
+    chunks = table[vendor][_dtypes.ITEMSIZE[dtype]]
     return _layout(n, dtype, chunks, MAX_CACHED_FLOATS)
 
 
@@ -209,7 +216,7 @@ def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xsc
     row), weight + offset otherwise (the weight is read before the reduction, not after it: one
     memory latency a row, not two).  Every variant forms the same float32 factor, so the bits do
     not depend on it.  ``scaling`` and ``group``: a quantised row's scales (FwdSpec)."""
-    layout = (quant_row_layout(n, dtype, vendor) if quant
+    layout = (quant_row_layout(n, dtype, vendor, residual and scaling == "static") if quant
               else gated_row_layout(n, dtype, vendor) if gate else row_layout(n, dtype))
     # quantised rows on NVIDIA (issue-bound) drop the per-chunk column checks where the row is
     # exactly threads x chunks; not on AMD, where the branch-free row took the fp32 N = 4096
