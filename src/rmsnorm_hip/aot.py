@@ -36,7 +36,6 @@ Run as ``python -m rmsnorm_hip.aot --arch gfx942 --arch gfx950 --report out/amd-
 calls.  The AMD target needs numba-hip 0.2.1 and a ROCm 7.x COMGR (``.ci/rocm-compile.sh`` builds a
 compile-only environment for that on a machine without ROCm); the NVIDIA target needs numba-cuda.
 """
-import argparse
 import glob
 import importlib.metadata
 import importlib.util
@@ -50,6 +49,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+from ._argparse import Parser
 
 MAIN_KERNEL_MAX_VGPRS = 64
 SM_REGISTERS = 65536   # what one sm_90 block may hold (beyond: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
@@ -602,7 +603,7 @@ def print_table(reports, target, out=sys.stdout):
 def main(argv=None):
     """``rmsnorm-hip compile [--target hip|cuda] [--arch ARCH]... [--report FILE]``; exit status
     is 0 when every kernel compiled and passed the gates, 1 otherwise."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rmsnorm-hip compile",
         description="Compile every kernel variant the dispatcher can launch ahead of time (no GPU "
                     "needed) and report each kernel's resource usage.")

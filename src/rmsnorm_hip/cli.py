@@ -7,6 +7,7 @@ import sys
 import numpy as np
 
 from . import _dtypes, _numerics, backends
+from ._argparse import Parser
 
 CHECK_SHAPES = ((1, 1), (7, 3), (333, 127), (7, 4097), (33, 5000), (7, 8192), (3, 65537))
 
@@ -306,7 +307,7 @@ def _main(argv):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in _PASS_THROUGH:  # their own argparse owns every option after the verb
         return _PASS_THROUGH[argv[0]](argparse.Namespace(rest=argv[1:]))
-    parser = argparse.ArgumentParser(prog="rmsnorm-hip", description=__doc__)
+    parser = Parser(prog="rmsnorm-hip", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backend, device, arch and versions").set_defaults(fn=cmd_info)
     p = sub.add_parser("check", help="every entry point vs the float64 reference")

@@ -6,12 +6,12 @@ discarded warm-up timing of each). A missing or failing implementation gets a re
 error; the run goes on. Then the host overhead at small M. See the package docstring
 (rmsnorm_hip._bench) for the API and the output; decode.py has the small-batch mode (`--decode`).
 """
-import argparse
 import json
 import math
 import os
 import sys
 
+from .._argparse import Parser
 from . import ops, table, targets
 
 # The H200 cases per op: large, mid and small row counts, one N that is no power of two, and
@@ -406,7 +406,7 @@ def main(argv=None):
 
 
 def _parser():
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rmsnorm-hip bench",
         description="Device time per call, GB/s and % of the measured copy bandwidth, "
                     "side by side with the peers found installed; --decode: small batches, "
@@ -470,9 +470,9 @@ def _decode_ops():
 
 
 def _check_args(parser, args):
-    """parser.error (exit 2: the usage, then one error line) for what argparse cannot check
-    itself, before anything is imported or timed; exit 1 with the pip command when an optional
-    library the arguments need is missing (_need)."""
+    """parser.error (exit 2, one error line) for what argparse cannot check itself, before
+    anything is imported or timed; exit 1 with the pip command when an optional library the
+    arguments need is missing (_need)."""
     for name in ("iters", "graph_calls", "graph_replays", "host_calls", "host_repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
