@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import rmsnorm_hip as R_
-from rmsnorm_hip import _arrays
+from rmsnorm_hip import _arrays, _dtypes
 
 pytestmark = pytest.mark.quick
 
@@ -76,6 +76,36 @@ def test_host_dlpack_objects_get_their_library_back(hostdlpacklib, rng, use_back
         assert isinstance(g, HostDLPack)
         assert g.array.dtype == e.dtype and g.array.shape == e.shape
         np.testing.assert_array_equal(g.array, e)
+
+
+def test_host_dlpack_bfloat16_is_read_in_place(hostdlpacklib, rng, use_backend):
+    """A host DLPack tensor of bfloat16 (JAX or torch on the CPU; NumPy's from_dlpack refuses
+    it) is read through the DLPack struct, strided rows in place: bitwise the torch call.
+    Outputs NumPy cannot export (bfloat16, float8) come back as ml_dtypes NumPy arrays; a dtype
+    nobody reads is a TypeError naming the argument."""
+    torch = pytest.importorskip("torch")
+    import rmsnorm_hip as R
+    use_backend("cpu")
+    x = torch.from_numpy(rng.standard_normal((7, 3, 64)).astype(np.float32))
+    x = x.to(torch.bfloat16)[:, 1]                      # rows 3 * 64 apart
+    w = torch.from_numpy(rng.standard_normal(64).astype(np.float32)).to(torch.bfloat16)
+    y, rstd = R.rms_norm(HostDLPack(x), HostDLPack(w), return_rstd=True)
+    y_ref, rstd_ref = R.rms_norm(x, w, return_rstd=True)
+    assert isinstance(y, np.ndarray) and y.dtype == _dtypes.NUMPY["bfloat16"]
+    np.testing.assert_array_equal(y.view(np.uint16),
+                                  y_ref.view(torch.int16).numpy().view(np.uint16))
+    assert isinstance(rstd, HostDLPack)
+    np.testing.assert_array_equal(rstd.array, rstd_ref.numpy())
+    q, scales = R.rms_norm_quant(HostDLPack(x), HostDLPack(w), quant_dtype="float8_e4m3fn",
+                                 group_size=32)
+    q_ref, scales_ref = R.rms_norm_quant(x, w, quant_dtype="float8_e4m3fn", group_size=32)
+    assert q.dtype == _dtypes.NUMPY["float8_e4m3fn"]
+    np.testing.assert_array_equal(q.view(np.uint8), q_ref.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(scales.array, scales_ref.numpy())
+    fp8 = HostDLPack(torch.zeros(2, 8, dtype=torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="rms_norm: x must be a float32, float16 or bfloat16 "
+                                        "array, got a host DLPack tensor of DLPack type code"):
+        R.rms_norm(fp8)
 
 
 def _byte_set(a):

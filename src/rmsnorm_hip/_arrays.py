@@ -227,7 +227,10 @@ def _describe_dlpack(obj, reinterpret, arg="x", fn="rmsnorm_hip"):
         raise ValueError(f"{fn}: {arg} must be on a CPU, CUDA or ROCm device (DLPack device type "
                          f"1, 2, 3 or 10), got DLPack device type {int(dev_type)}")
     if device == CPU:
-        arr = np.from_dlpack(obj)
+        try:
+            arr = np.from_dlpack(obj)
+        except (BufferError, RuntimeError, TypeError, ValueError) as error:
+            arr = _host_dlpack_view(obj, error, arg, fn)    # bfloat16, which NumPy cannot import
         return _describe_numpy(arr, obj, "dlpack", reinterpret)
     capsule = obj.__dlpack__(stream=None) if device != CPU else obj.__dlpack__()
     # the capsule owns a reference to obj's memory while we read the struct; obj keeps it alive
@@ -244,6 +247,35 @@ def _describe_dlpack(obj, reinterpret, arg="x", fn="rmsnorm_hip"):
                      int(dev_id), bits16=bits16)
     info.capsule = capsule
     return info
+
+
+# DLPack dtypes NumPy's from_dlpack refuses, read through the struct: (code, bits) -> NumPy dtype
+_HOST_DL_DTYPES = {(4, 16): _dtypes.NUMPY[_dtypes.BFLOAT16]}
+
+
+def _host_dlpack_view(obj, error, arg, fn):
+    """A NumPy view of a host DLPack tensor whose dtype NumPy's from_dlpack refuses (bfloat16:
+    JAX or torch on the CPU), read from the DLPack struct; the view holds the capsule, which
+    frees the producer's reference when the view goes."""
+    capsule = obj.__dlpack__()
+    t = _DLTensor.from_address(_get_capsule_pointer(capsule, b"dltensor"))
+    dtype = _HOST_DL_DTYPES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
+    if dtype is None:
+        name = _DL_NAMES.get((t.dtype.code, t.dtype.bits),
+                             f"DLPack type code {t.dtype.code} of {t.dtype.bits} bits")
+        raise TypeError(f"{fn}: {arg} must be a float32, float16 or bfloat16 array, got a host "
+                        f"DLPack tensor of {name} ({error})") from None
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _contiguous(shape)
+    if any(s < 0 for s in strides):
+        raise ValueError(f"{fn}: {arg} must have non-negative strides, got strides {strides}")
+    extent = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+    buffer = (ctypes.c_uint8 * (extent * dtype.itemsize)).from_address(
+        (t.data or 0) + t.byte_offset) if extent else bytearray(0)
+    flat = np.frombuffer(buffer, dtype)
+    if extent:
+        buffer.capsule = capsule
+    return np.lib.stride_tricks.as_strided(flat, shape, tuple(s * dtype.itemsize for s in strides))
 
 
 def bump_versions(*arrays):
@@ -389,14 +421,17 @@ class SimulatedDeviceArray:
 
 def _back_to_library(like, out):
     """A DLPack-speaking library's own array over ``out`` (a CuPy array, or a NumPy one for a
-    host caller), e.g. JAX's; else ``out`` itself (a library with no ``from_dlpack``)."""
+    host caller), e.g. JAX's; else ``out`` itself (a library with no ``from_dlpack``, or a
+    bfloat16 / float8 NumPy output, which NumPy cannot export: JAX gets a copy of that one)."""
     root = type(like).__module__.split(".")[0]
     mod = sys.modules.get(root)
+    # ml_dtypes' bfloat16 and float8 (NumPy kind "V"): NumPy exports them through no DLPack
+    unexported = isinstance(out, np.ndarray) and out.dtype.kind == "V"
     if root in ("jax", "jaxlib"):
         import jax.numpy as jnp
-        return jnp.from_dlpack(out)
+        return jnp.asarray(out) if unexported else jnp.from_dlpack(out)   # JAX reads ml_dtypes
     from_dlpack = getattr(mod, "from_dlpack", None)
-    return from_dlpack(out) if from_dlpack else out
+    return from_dlpack(out) if from_dlpack and not unexported else out
 
 
 def _contiguous(shape):
