@@ -115,9 +115,11 @@ def rms_norm_gated_backward(dy, x, z, weight=None, rstd=None, *, group_size=None
         ri = _arrays.describe(rstd, "rstd", None, fn)
         want = (m,) if group_size is None else (m, groups)
         _validate.same_place(ri, xi, fn, "rstd")
-        if ri.dtype != _dtypes.FLOAT32 or tuple(ri.shape) != want or not _validate.dense(ri):
-            raise ValueError(f"{fn}: rstd must be a contiguous float32 array of shape {want}, "
-                             f"got {ri.dtype} {tuple(ri.shape)} strides {ri.strides}")
+        if ri.dtype != _dtypes.FLOAT32:
+            raise TypeError(f"{fn}: rstd must have dtype float32, got {ri.dtype}")
+        if tuple(ri.shape) != want or not _validate.dense(ri):
+            raise ValueError(f"{fn}: rstd must be a contiguous array of shape {want}, "
+                             f"got shape {tuple(ri.shape)} strides {ri.strides}")
     weight_offset = _validate.weight_offset(weight_offset, wi is not None, fn)
     eps = _validate.eps(eps, fn)
     backend = backends.for_array(xi, fn)

@@ -601,8 +601,8 @@ def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_
 class RMSNormGated(torch.nn.Module):
     """mamba_ssm's ``RMSNormGated`` on the rmsnorm_hip kernels: the same constructor, defaults
     (``eps=1e-5``, ``norm_before_gate=True``), ``weight`` parameter (ones) and state_dict.
-    ``forward(x, z=None)``: gated by z, or a plain RMSNorm without z (``group_size`` then must
-    be None)."""
+    ``forward(x, z=None)``: gated by z, or without z an RMSNorm of each group (of the whole row
+    without ``group_size``), as mamba_ssm's."""
 
     def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True,
                  device=None, dtype=None):
@@ -621,10 +621,13 @@ class RMSNormGated(torch.nn.Module):
 
     def forward(self, x, z=None):
         if z is None:
-            if self.group_size is not None:
-                raise ValueError("RMSNormGated: a grouped norm needs z (group_size="
-                                 f"{self.group_size}), got z=None")
-            return rms_norm(x, self.weight, self.eps)
+            if self.group_size is None:
+                return rms_norm(x, self.weight, self.eps)
+            # each group a row of its own, normalised in float32; then the weight, which differs
+            # across groups, and one rounding to x's dtype
+            g, n = self.group_size, x.shape[-1]
+            y = rms_norm(x.float().unflatten(-1, (n // g, g)), None, self.eps).flatten(-2)
+            return (y * self.weight.float()).to(x.dtype)
         return rms_norm_gated(x, z, self.weight, self.eps, group_size=self.group_size,
                               norm_before_gate=self.norm_before_gate)
 
@@ -644,8 +647,9 @@ class RMSNorm(torch.nn.RMSNorm):
     bfloat16 inputs.  ``weight_offset`` (keyword only) scales by ``weight + weight_offset``
     (1.0: Gemma's ``1 + w``); the weight then starts at ``1 - weight_offset``, the identity.
 
-    Differences from torch: the output keeps x's dtype (a float32 weight with bfloat16 x gives
-    bfloat16, not float32), rounded once; float64 inputs raise TypeError.
+    The output keeps x's dtype whatever the weight's (a float32 weight with bfloat16 x gives
+    bfloat16, where some torch versions promote to float32), rounded once; float64 inputs raise
+    TypeError.
     """
 
     __constants__ = torch.nn.RMSNorm.__constants__ + ["weight_offset"]
@@ -668,8 +672,10 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, x):
         shape = self.normalized_shape
         k = len(shape)
-        if not isinstance(x, Tensor) or x.dim() < k or tuple(x.shape[x.dim() - k:]) != shape:
-            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        if not isinstance(x, Tensor):
+            raise TypeError(f"RMSNorm: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < k or tuple(x.shape[x.dim() - k:]) != shape:
+            got = tuple(x.shape)
             raise ValueError(f"RMSNorm: x must have shape (..., {', '.join(map(str, shape))}) "
                              f"(normalized_shape {shape}), got {got}")
         eps = TORCH_DEFAULT_EPS if self.eps is None else self.eps
