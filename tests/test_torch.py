@@ -484,6 +484,12 @@ ERRORS = [
     (lambda: rt.RMSNorm(8, elementwise_affine=False, weight_offset=1.0), ValueError,
      r"RMSNorm: weight_offset must be 0.0 with elementwise_affine=False"),
     (lambda: rt.RMSNorm(()), ValueError, r"RMSNorm: normalized_shape must have at least one"),
+    (lambda: rt.RMSNorm(8)([1.0] * 8), TypeError,
+     r"RMSNorm: x must be a torch.Tensor, got builtins.list"),
+    (lambda: rt.RMSNormGated(8, group_size=4)([1.0] * 8), TypeError,
+     r"RMSNormGated: x must be a torch.Tensor, got builtins.list"),
+    (lambda: rt.RMSNormGated(8, group_size=4)(torch.ones(2, 12)), ValueError,
+     r"RMSNormGated: x must have shape \(\.\.\., 8\), got \(2, 12\)"),
 ]
 
 

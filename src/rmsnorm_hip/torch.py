@@ -625,7 +625,11 @@ class RMSNormGated(torch.nn.Module):
                 return rms_norm(x, self.weight, self.eps)
             # each group a row of its own, normalised in float32; then the weight, which differs
             # across groups, and one rounding to x's dtype
-            g, n = self.group_size, x.shape[-1]
+            _check_tensors("RMSNormGated", x=x)
+            g, n = self.group_size, self.weight.shape[0]
+            if x.dim() == 0 or x.shape[-1] != n:
+                raise ValueError(f"RMSNormGated: x must have shape (..., {n}), got "
+                                 f"{tuple(x.shape)}")
             y = rms_norm(x.float().unflatten(-1, (n // g, g)), None, self.eps).flatten(-2)
             return (y * self.weight.float()).to(x.dtype)
         return rms_norm_gated(x, z, self.weight, self.eps, group_size=self.group_size,
@@ -672,8 +676,7 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, x):
         shape = self.normalized_shape
         k = len(shape)
-        if not isinstance(x, Tensor):
-            raise TypeError(f"RMSNorm: x must be a torch.Tensor, got {type(x).__name__}")
+        _check_tensors("RMSNorm", x=x)
         if x.dim() < k or tuple(x.shape[x.dim() - k:]) != shape:
             got = tuple(x.shape)
             raise ValueError(f"RMSNorm: x must have shape (..., {', '.join(map(str, shape))}) "
