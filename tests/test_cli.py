@@ -37,6 +37,29 @@ def test_check_says_when_the_forced_gpu_backend_has_no_device(monkeypatch, capsy
     assert f"RMSNORM_HIP_BACKEND={forced}, but no {forced.upper()} device was found" in err
 
 
+@pytest.mark.parametrize("command", ["info", "check"])
+def test_bad_backend_variable_is_one_line_and_exit_2(monkeypatch, capsys, command):
+    monkeypatch.setenv("RMSNORM_HIP_BACKEND", "bogus")
+    assert cli.main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "RMSNORM_HIP_BACKEND must be one of" in err, err
+    assert "'bogus'" in err
+
+
+def test_sim_backend_switches_the_simulator_on_itself():
+    """RMSNORM_HIP_BACKEND=sim alone (no NUMBA_ENABLE_CUDASIM) in a fresh process: numba, imported
+    with the package, has read its environment already; the backend has it read it again rather
+    than load numba.cuda for a real driver (CudaSupportError on a machine without one)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["RMSNORM_HIP_BACKEND"] = "sim"
+    code = ("import numpy as np, rmsnorm_hip as R; "
+            "print(float(R.rms_norm(np.full((2, 8), 2.0, np.float32))[1, 7]))")
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert abs(float(run.stdout) - 1.0) < 1e-6, run.stdout
+
+
 def _stopped(argv, capsys):
     """(exit status, stderr) of ``rmsnorm-hip argv`` run in this process."""
     with pytest.raises(SystemExit) as stopped:

@@ -324,6 +324,12 @@ def _main(argv):
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
+    if args.command in ("info", "check"):
+        try:
+            backends.requested("rmsnorm-hip")
+        except ValueError as error:     # a bad RMSNORM_HIP_BACKEND: one line, as a bad argument
+            print(error, file=sys.stderr)
+            return 2
     return args.fn(args)
 
 

@@ -19,6 +19,9 @@ def enable():
             raise RuntimeError("the sim backend needs NUMBA_ENABLE_CUDASIM=1 before numba.cuda is "
                                "imported; this process already runs numba.cuda compiled")
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    config = sys.modules.get("numba.core.config")
+    if config is not None:  # numba read its environment when it was imported (numba.cuda too)
+        config.reload_config()
 
 
 class SimBackend(GpuBackend):
