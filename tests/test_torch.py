@@ -499,6 +499,18 @@ def test_errors_name_argument_expected_and_given(call, exc, match):
         call()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_second_derivative_raises(fused):
+    """The backward has no derivative of its own: on the eager path too, a second derivative
+    raises (as through the custom ops), never comes back silently without a graph."""
+    x = leaf(randn((4, 64), "float32", 1))
+    w = leaf(randn((64,), "float32", 2, loc=1.0, scale=0.1))
+    y = rt.fused_add_rms_norm(x, randn((4, 64), "float32", 3), w)[0] if fused else rt.rms_norm(x, w)
+    g = torch.autograd.grad((y * y).sum(), x, create_graph=True)[0]
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
 def test_one_dimensional_x_is_one_row():
     x = leaf(randn((96,), "float16", 1))
     w = leaf(randn((96,), "float16", 2, loc=1.0, scale=0.1))

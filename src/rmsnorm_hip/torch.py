@@ -45,6 +45,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import _quant, _validate, functional, gated, qk
 
@@ -299,6 +300,8 @@ _quant_scaled_op.register_autograd(lambda ctx, *grads: (None,) * 12,
                                    setup_context=_setup_quant)
 
 
+# no double backward: once_differentiable makes a second derivative raise, as the custom ops do,
+# rather than come back silently without a graph
 class _RMSNormFunction(torch.autograd.Function):
     """The eager path of :func:`rms_norm` with a gradient: the op bodies called directly (the
     dispatcher and the custom op's autograd wrapper cost more host time than the launch)."""
@@ -309,7 +312,7 @@ class _RMSNormFunction(torch.autograd.Function):
         _save(ctx, x, weight, rstd, eps, weight_offset, False, _backward_impl)
         return y
 
-    backward = staticmethod(_backward)
+    backward = staticmethod(once_differentiable(_backward))
 
 
 class _FusedFunction(torch.autograd.Function):
@@ -321,7 +324,7 @@ class _FusedFunction(torch.autograd.Function):
         _save(ctx, residual_out, weight, rstd, eps, weight_offset, True, _backward_impl)
         return y, residual_out
 
-    backward = staticmethod(_backward)
+    backward = staticmethod(once_differentiable(_backward))
 
 
 # ---- the functions users call --------------------------------------------------------------------
