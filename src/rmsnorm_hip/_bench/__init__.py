@@ -7,8 +7,8 @@ Python::
                  compare=True, progress=True)
     result = run(decode=True)          # the decode mode, below
 
-- ``op``: a key of ``ops.OPS`` (None: ``"fwd"``) or ``"all"`` (``ops.ALL``): fwd, bwd, bwd_dres,
-  fused, fused_inplace, quant, quant_fp8, and (not in "all") qk and qk_rope (QK-norm in place on
+- ``op``: a key of ``ops.OPS`` (None: ``"fwd"``) or ``"all"`` (``ops.ALL``: fwd, bwd, bwd_dres,
+  fused, quant, quant_fp8): those, fused_inplace, and qk and qk_rope (QK-norm in place on
   the q and k views of a QKV buffer, without and with neox RoPE; M = tokens, N = head size),
   gated and gated_bwd (Mamba 2's gated RMSNorm and its backward), and rms_norm_quant's scaled
   outputs: quant_group (fp8, a float32 scale per 1x128 group), quant_group_ue8m0 (the same with

@@ -53,6 +53,8 @@ CPU_CASES = {"fwd": _CPU_FWD,
 # Host overhead: decode-sized batches, where launch cost decides; in an `all` run for the ops
 # listed only (the others share their host path).
 HOST_CASES = ((1, 4096, "bfloat16"), (32, 4096, "bfloat16"))
+_QK_HOST = ((1, 128, "bfloat16"), (32, 128, "bfloat16"))   # tokens x a head size of 128
+HOST_CASES_BY_OP = {"qk": _QK_HOST, "qk_rope": _QK_HOST}
 HOST_OPS = ("fwd", "bwd")
 
 # Read by backends.cuda when it makes a backend (not imported here: that imports numba-cuda).
@@ -129,7 +131,7 @@ def _run_op(target, op, shapes, dtypes, json_path, plot_path, compare, progress,
             host_overhead, seed, print_table):
     spec = ops.OPS[op]
     cases = _cases(target.name, op, shapes, dtypes)
-    host_cases = HOST_CASES if host_overhead else ()
+    host_cases = HOST_CASES_BY_OP.get(op, HOST_CASES) if host_overhead else ()
     impls = _implementations(spec, target.name, compare)
     result = {
         "schema": 1,
