@@ -804,6 +804,8 @@ ERRORS = [
      ValueError, r"cos_sin_cache rows must be unit-stride", False),
     ("rope_style", _set(rope_style="llama"), ValueError,
      r"rope_style must be 'neox' or 'gptj', got 'llama'", False),
+    ("rope_style_without_rope", _set(positions=None, cos_sin_cache=None, rope_style="llama"),
+     ValueError, r"rope_style must be 'neox' or 'gptj', got 'llama'", False),
     ("positions_past_cache", _with("positions", lambda a: np.array([0, MAX_POSITION, 1])),
      ValueError, rf"positions must lie in \[0, {MAX_POSITION}\) \(cos_sin_cache's rows\), got "
                  rf"values from 0 to {MAX_POSITION}", False),
@@ -832,6 +834,19 @@ ERRORS = [
     ("k_read_only", _with("k", lambda a: _read_only(a["k"])), ValueError,
      r"k must be writeable, got a read-only array", True),
 ]
+
+
+def test_rotary_dim_takes_numpy_integers(rng):
+    """rotary_dim=np.int64(32) is rotary_dim=32 (the bits of the out-of-place call)."""
+    import rmsnorm_hip as R
+    call = Call.make(rng, QkCase(BFLOAT16, 64, "neox", cache=BFLOAT16, heads=(2, 1), lead=(3,)),
+                     positions=[0, 5, 9])
+    args = (call.q, call.k, call.q_weight, call.k_weight, EPS)
+    rope = dict(call.rope, cos_sin_cache=np.ascontiguousarray(call.rope["cos_sin_cache"][:, :32]))
+    one = R.qk_rms_norm(*args, **dict(rope, rotary_dim=32))
+    two = R.qk_rms_norm(*args, **dict(rope, rotary_dim=np.int64(32)))
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
 @pytest.mark.parametrize("fn,change,exc,message", [
