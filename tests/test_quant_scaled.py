@@ -466,6 +466,8 @@ ERRORS = [
     (dict(scale=np.array([0.5])), (3, 64), TypeError,
      r"scale must be a number or a float32 array of one element, got a float64 array"),
     (dict(scale="0.5"), (3, 64), TypeError, r"scale must be a NumPy, CuPy or torch array"),
+    (dict(scale=True), (3, 64), TypeError,
+     r"scale must be a number or a float32 array of one element, got bool"),
 ]
 
 
