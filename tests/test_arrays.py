@@ -102,6 +102,13 @@ def test_host_dlpack_bfloat16_is_read_in_place(hostdlpacklib, rng, use_backend):
     assert q.dtype == _dtypes.NUMPY["float8_e4m3fn"]
     np.testing.assert_array_equal(q.view(np.uint8), q_ref.view(torch.uint8).numpy())
     np.testing.assert_array_equal(scales.array, scales_ref.numpy())
+    # in place: the view is x's memory; read-only, as NumPy makes an unversioned import
+    info = _arrays.describe(HostDLPack(x), "x")
+    assert info.ptr == x.data_ptr() and info.strides == (3 * 64, 1) and info.readonly
+    with pytest.raises(ValueError, match="must be writeable"):
+        R.fused_add_rms_norm_(HostDLPack(x), HostDLPack(x.clone()), HostDLPack(w))
+    empty = R.rms_norm(HostDLPack(torch.empty(0, 64, dtype=torch.bfloat16)), HostDLPack(w))
+    assert empty.shape == (0, 64) and empty.dtype == _dtypes.NUMPY["bfloat16"]
     fp8 = HostDLPack(torch.zeros(2, 8, dtype=torch.float8_e4m3fn))
     with pytest.raises(TypeError, match="rms_norm: x must be a float32, float16 or bfloat16 "
                                         "array, got a host DLPack tensor of DLPack type code"):

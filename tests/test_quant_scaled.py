@@ -468,6 +468,8 @@ ERRORS = [
     (dict(scale="0.5"), (3, 64), TypeError, r"scale must be a NumPy, CuPy or torch array"),
     (dict(scale=True), (3, 64), TypeError,
      r"scale must be a number or a float32 array of one element, got bool"),
+    (dict(scale=np.bool_(True)), (3, 64), TypeError,
+     r"scale must be a number or a float32 array of one element, got bool"),
 ]
 
 

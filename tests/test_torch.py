@@ -490,6 +490,13 @@ ERRORS = [
      r"RMSNormGated: x must be a torch.Tensor, got builtins.list"),
     (lambda: rt.RMSNormGated(8, group_size=4)(torch.ones(2, 12)), ValueError,
      r"RMSNormGated: x must have shape \(\.\.\., 8\), got \(2, 12\)"),
+    (lambda: rt.RMSNormGated(8)([1.0] * 8), TypeError,
+     r"RMSNormGated: x must be a torch.Tensor, got builtins.list"),
+    (lambda: rt.RMSNormGated(8, group_size=4)(torch.ones(2, 8, dtype=torch.float64)),
+     TypeError, r"RMSNormGated: x must be float32, float16 or bfloat16 and the weight of x's "
+                r"dtype or float32, got x torch.float64, weight torch.float32"),
+    (lambda: rt.RMSNormGated(8, group_size=4, dtype=torch.bfloat16)(torch.ones(2, 8)),
+     TypeError, r"got x torch.float32, weight torch.bfloat16"),
 ]
 
 
@@ -499,16 +506,19 @@ def test_errors_name_argument_expected_and_given(call, exc, match):
         call()
 
 
+@pytest.mark.parametrize("loss", ["linear", "square"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_second_derivative_raises(fused):
+def test_second_derivative_raises(fused, loss):
     """The backward has no derivative of its own: on the eager path too, a second derivative
-    raises (as through the custom ops), never comes back silently without a graph."""
+    raises (as through the custom ops), never comes back silently without its term, whether
+    or not the gradient reaching y depends on x."""
     x = leaf(randn((4, 64), "float32", 1))
     w = leaf(randn((64,), "float32", 2, loc=1.0, scale=0.1))
     y = rt.fused_add_rms_norm(x, randn((4, 64), "float32", 3), w)[0] if fused else rt.rms_norm(x, w)
-    g = torch.autograd.grad((y * y).sum(), x, create_graph=True)[0]
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        g.sum().backward()
+    g = torch.autograd.grad(y.sum() if loss == "linear" else (y * y).sum(), x,
+                            create_graph=True)[0]
+    with pytest.raises(RuntimeError, match="rms_norm_backward.*no autograd formula"):
+        ((g * g).sum() + (x * x).sum()).backward()
 
 
 def test_one_dimensional_x_is_one_row():

@@ -254,15 +254,18 @@ _HOST_DL_DTYPES = {(4, 16): _dtypes.NUMPY[_dtypes.BFLOAT16]}
 
 
 def _host_dlpack_view(obj, error, arg, fn):
-    """A NumPy view of a host DLPack tensor whose dtype NumPy's from_dlpack refuses (bfloat16:
-    JAX or torch on the CPU), read from the DLPack struct; the view holds the capsule, which
-    frees the producer's reference when the view goes."""
+    """A read-only NumPy view of a host DLPack tensor whose dtype NumPy's from_dlpack refuses
+    (bfloat16: JAX or torch on the CPU), read from the DLPack struct; the view holds the
+    capsule, which frees the producer's reference when the view goes.  Read-only as NumPy makes
+    an unversioned import: such a capsule cannot say whether the memory may be written."""
     capsule = obj.__dlpack__()
     t = _DLTensor.from_address(_get_capsule_pointer(capsule, b"dltensor"))
     dtype = _HOST_DL_DTYPES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
     if dtype is None:
-        name = _DL_NAMES.get((t.dtype.code, t.dtype.bits),
-                             f"DLPack type code {t.dtype.code} of {t.dtype.bits} bits")
+        name = _DL_NAMES.get((t.dtype.code, t.dtype.bits))
+        if name is not None and t.dtype.lanes == 1:     # a dtype NumPy reads: its own failure
+            raise ValueError(f"{fn}: {arg} could not be read through DLPack ({error})") from None
+        name = name or f"DLPack type code {t.dtype.code} of {t.dtype.bits} bits"
         raise TypeError(f"{fn}: {arg} must be a float32, float16 or bfloat16 array, got a host "
                         f"DLPack tensor of {name} ({error})") from None
     shape = tuple(t.shape[i] for i in range(t.ndim))
@@ -275,7 +278,8 @@ def _host_dlpack_view(obj, error, arg, fn):
     flat = np.frombuffer(buffer, dtype)
     if extent:
         buffer.capsule = capsule
-    return np.lib.stride_tricks.as_strided(flat, shape, tuple(s * dtype.itemsize for s in strides))
+    return np.lib.stride_tricks.as_strided(flat, shape, tuple(s * dtype.itemsize for s in strides),
+                                           writeable=False)
 
 
 def bump_versions(*arrays):
@@ -422,14 +426,19 @@ class SimulatedDeviceArray:
 def _back_to_library(like, out):
     """A DLPack-speaking library's own array over ``out`` (a CuPy array, or a NumPy one for a
     host caller), e.g. JAX's; else ``out`` itself (a library with no ``from_dlpack``, or a
-    bfloat16 / float8 NumPy output, which NumPy cannot export: JAX gets a copy of that one)."""
+    bfloat16 / float8 NumPy output, which NumPy cannot export: JAX gets a copy of that one on
+    x's device)."""
     root = type(like).__module__.split(".")[0]
     mod = sys.modules.get(root)
     # ml_dtypes' bfloat16 and float8 (NumPy kind "V"): NumPy exports them through no DLPack
     unexported = isinstance(out, np.ndarray) and out.dtype.kind == "V"
     if root in ("jax", "jaxlib"):
+        import jax
         import jax.numpy as jnp
-        return jnp.asarray(out) if unexported else jnp.from_dlpack(out)   # JAX reads ml_dtypes
+        if unexported:  # JAX reads ml_dtypes arrays: a copy, on x's device (not JAX's default)
+            devices = like.devices() if hasattr(like, "devices") else ()
+            return jax.device_put(out, next(iter(devices), None))
+        return jnp.from_dlpack(out)
     from_dlpack = getattr(mod, "from_dlpack", None)
     return from_dlpack(out) if from_dlpack and not unexported else out
 

@@ -204,7 +204,7 @@ def _static_scale(scale, xi, fn):
     kernel by value (nothing on the device, so nothing a CUDA graph holds can go away), a
     float32 array of one element on x's device is read by the kernel (its value is the
     caller's to keep positive and finite: reading it would wait for the device)."""
-    if is_number(scale) or isinstance(scale, bool):     # a bool: refused as a number
+    if is_number(scale) or isinstance(scale, (bool, np.bool_)):    # a bool: refused as one
         return None, scale_number(scale, fn)
     info = _arrays.describe(scale, "scale", None, fn)
     _validate.same_place(info, xi, fn, "scale")

@@ -325,10 +325,11 @@ def _main(argv):
         p.set_defaults(fn=fn)
     args = parser.parse_args(argv)
     if args.command in ("info", "check"):
+        prog = f"rmsnorm-hip {args.command}"
         try:
-            backends.requested("rmsnorm-hip")
+            backends.requested(prog)
         except ValueError as error:     # a bad RMSNORM_HIP_BACKEND: one line, as a bad argument
-            print(error, file=sys.stderr)
+            print(f"{prog}: error: {str(error).removeprefix(prog + ': ')}", file=sys.stderr)
             return 2
     return args.fn(args)
 

@@ -45,7 +45,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import _quant, _validate, functional, gated, qk
 
@@ -266,11 +265,13 @@ def _backward(ctx, dy, *rest):
     and residual (residual_out = x + residual), with no copy.  Further grads (rstd's) are None."""
     h, weight, rstd = ctx.saved_tensors
     dresidual = rest[0] if ctx.fused else None
+    # a backward that builds a graph (create_graph=True) goes through the op, which has no
+    # derivative: a second derivative through it raises, never comes back without the graph
+    backward = _backward_op if torch.is_grad_enabled() else ctx.backward_fn
     if dy is None:
         dh, dweight = dresidual, None
     else:
-        dh, *dweight = ctx.backward_fn(dy, h, weight, rstd, dresidual, ctx.eps,
-                                       ctx.weight_offset)
+        dh, *dweight = backward(dy, h, weight, rstd, dresidual, ctx.eps, ctx.weight_offset)
         # weight is the third input from the end in both signatures
         dweight = dweight[0] if dweight and ctx.needs_input_grad[-3] else None
     return (dh, dh, dweight, None, None) if ctx.fused else (dh, dweight, None, None)
@@ -300,8 +301,6 @@ _quant_scaled_op.register_autograd(lambda ctx, *grads: (None,) * 12,
                                    setup_context=_setup_quant)
 
 
-# no double backward: once_differentiable makes a second derivative raise, as the custom ops do,
-# rather than come back silently without a graph
 class _RMSNormFunction(torch.autograd.Function):
     """The eager path of :func:`rms_norm` with a gradient: the op bodies called directly (the
     dispatcher and the custom op's autograd wrapper cost more host time than the launch)."""
@@ -312,7 +311,7 @@ class _RMSNormFunction(torch.autograd.Function):
         _save(ctx, x, weight, rstd, eps, weight_offset, False, _backward_impl)
         return y
 
-    backward = staticmethod(once_differentiable(_backward))
+    backward = staticmethod(_backward)
 
 
 class _FusedFunction(torch.autograd.Function):
@@ -324,7 +323,7 @@ class _FusedFunction(torch.autograd.Function):
         _save(ctx, residual_out, weight, rstd, eps, weight_offset, True, _backward_impl)
         return y, residual_out
 
-    backward = staticmethod(once_differentiable(_backward))
+    backward = staticmethod(_backward)
 
 
 # ---- the functions users call --------------------------------------------------------------------
@@ -601,6 +600,9 @@ def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_
                                        bool(norm_before_gate))[0]
 
 
+_ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 class RMSNormGated(torch.nn.Module):
     """mamba_ssm's ``RMSNormGated`` on the rmsnorm_hip kernels: the same constructor, defaults
     (``eps=1e-5``, ``norm_before_gate=True``), ``weight`` parameter (ones) and state_dict.
@@ -623,16 +625,22 @@ class RMSNormGated(torch.nn.Module):
         torch.nn.init.ones_(self.weight)
 
     def forward(self, x, z=None):
+        _check_tensors("RMSNormGated", x=x)
         if z is None:
             if self.group_size is None:
                 return rms_norm(x, self.weight, self.eps)
             # each group a row of its own, normalised in float32; then the weight, which differs
-            # across groups, and one rounding to x's dtype
-            _check_tensors("RMSNormGated", x=x)
+            # across groups, and one rounding to x's dtype.  x and the weight as the kernels
+            # take them (the float32 copy would take any dtype)
             g, n = self.group_size, self.weight.shape[0]
             if x.dim() == 0 or x.shape[-1] != n:
                 raise ValueError(f"RMSNormGated: x must have shape (..., {n}), got "
                                  f"{tuple(x.shape)}")
+            if x.dtype not in _ACTIVATION_DTYPES or self.weight.dtype not in (x.dtype,
+                                                                               torch.float32):
+                raise TypeError(f"RMSNormGated: x must be float32, float16 or bfloat16 and the "
+                                f"weight of x's dtype or float32, got x {x.dtype}, weight "
+                                f"{self.weight.dtype}")
             y = rms_norm(x.float().unflatten(-1, (n // g, g)), None, self.eps).flatten(-2)
             return (y * self.weight.float()).to(x.dtype)
         return rms_norm_gated(x, z, self.weight, self.eps, group_size=self.group_size,

@@ -50,8 +50,8 @@ Method (docs/performance.md has the reasons):
   one timed after a large case could run slow for about a second.
 - GB/s = the op's minimal bytes (fwd: 2*M*N*e + N*e) / time; % of a device-to-device copy of
   2 GiB (bytes read + written) measured in the same run.
-- Host overhead at M=1 and M=32, N=4096 bf16: wall-clock per call of 1000 back-to-back calls and
-  one sync (median of 3 runs), plus the device time.
+- Host overhead at M=1 and M=32, N=4096 bf16 (QK-norm: a head size of 128): wall-clock per
+  call of 1000 back-to-back calls and one sync (median of 3 runs), plus the device time.
 
 Decode mode (``--decode``, decode.py; CUDA only): ops fwd, fused, fused_inplace (ours in place,
 against the out-of-place fused peers), quant and bwd by default; any op of ``ops.OPS`` with

@@ -18,10 +18,13 @@ def enable():
         if not config.ENABLE_CUDASIM:
             raise RuntimeError("the sim backend needs NUMBA_ENABLE_CUDASIM=1 before numba.cuda is "
                                "imported; this process already runs numba.cuda compiled")
+        return
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-    config = sys.modules.get("numba.core.config")
-    if config is not None:  # numba read its environment when it was imported (numba.cuda too)
-        config.reload_config()
+    # numba-cuda's config is numba's (numba.cuda.core.config aliases numba.core.config), read
+    # from the environment when numba was imported, which the package has done: read it again
+    numba_config = sys.modules.get("numba.core.config")
+    if numba_config is not None:
+        numba_config.reload_config()
 
 
 class SimBackend(GpuBackend):
