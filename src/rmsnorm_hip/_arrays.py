@@ -232,13 +232,8 @@ def _describe_dlpack(obj, reinterpret, arg="x", fn="rmsnorm_hip"):
         except (BufferError, RuntimeError, TypeError, ValueError) as error:
             arr = _host_dlpack_view(obj, error, arg, fn)    # bfloat16, which NumPy cannot import
         return _describe_numpy(arr, obj, "dlpack", reinterpret)
-    capsule = obj.__dlpack__(stream=None) if device != CPU else obj.__dlpack__()
-    # the capsule owns a reference to obj's memory while we read the struct; obj keeps it alive
-    managed = _get_capsule_pointer(capsule, b"dltensor")
-    t = _DLTensor.from_address(managed)
-    ndim = t.ndim
-    shape = tuple(t.shape[i] for i in range(ndim))
-    strides = tuple(t.strides[i] for i in range(ndim)) if t.strides else _contiguous(shape)
+    capsule = obj.__dlpack__(stream=None)
+    t, shape, strides = _dl_tensor(capsule)
     name = _DL_NAMES.get((t.dtype.code, t.dtype.bits), f"dlpack({t.dtype.code},{t.dtype.bits})")
     bits16 = name == "uint16" and reinterpret in _dtypes.HALF_DTYPES
     if bits16:
@@ -247,6 +242,15 @@ def _describe_dlpack(obj, reinterpret, arg="x", fn="rmsnorm_hip"):
                      int(dev_id), bits16=bits16)
     info.capsule = capsule
     return info
+
+
+def _dl_tensor(capsule):
+    """(DLTensor, shape, strides in elements) of an unversioned DLPack capsule.  The capsule
+    owns a reference to the producer's memory while the struct is read; keep it with the view."""
+    t = _DLTensor.from_address(_get_capsule_pointer(capsule, b"dltensor"))
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _contiguous(shape)
+    return t, shape, strides
 
 
 # DLPack dtypes NumPy's from_dlpack refuses, read through the struct: (code, bits) -> NumPy dtype
@@ -259,7 +263,7 @@ def _host_dlpack_view(obj, error, arg, fn):
     capsule, which frees the producer's reference when the view goes.  Read-only as NumPy makes
     an unversioned import: such a capsule cannot say whether the memory may be written."""
     capsule = obj.__dlpack__()
-    t = _DLTensor.from_address(_get_capsule_pointer(capsule, b"dltensor"))
+    t, shape, strides = _dl_tensor(capsule)
     dtype = _HOST_DL_DTYPES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
     if dtype is None:
         name = _DL_NAMES.get((t.dtype.code, t.dtype.bits))
@@ -268,8 +272,6 @@ def _host_dlpack_view(obj, error, arg, fn):
         name = name or f"DLPack type code {t.dtype.code} of {t.dtype.bits} bits"
         raise TypeError(f"{fn}: {arg} must be a float32, float16 or bfloat16 array, got a host "
                         f"DLPack tensor of {name} ({error})") from None
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _contiguous(shape)
     if any(s < 0 for s in strides):
         raise ValueError(f"{fn}: {arg} must have non-negative strides, got strides {strides}")
     extent = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, strides))

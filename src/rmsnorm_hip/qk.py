@@ -2,8 +2,6 @@
 one launch, optionally rotated (RoPE) before the one rounding.  Validation happens here, before
 any launch; the kernel is kernels/qk_norm.py (the CPU's: kernels/cpu_rmsnorm.make_cpu_qk_norm)."""
 
-import numbers
-
 from . import _arrays, _validate, backends
 from .functional import _backend_env, _keep_runner, _qk_runners, _runner
 from .kernels._config import QK_MAX_HEAD_SIZE
@@ -140,10 +138,8 @@ def _rope(fn, qi, t, d, positions, cache, style, rotary_dim, reinterpret):
     if positions is None or cache is None:
         missing = "positions" if positions is None else "cos_sin_cache"
         raise ValueError(f"{fn}: RoPE needs both positions and cos_sin_cache, got {missing}=None")
-    rot = d if rotary_dim is None else rotary_dim
-    if isinstance(rot, numbers.Integral) and not isinstance(rot, bool):
-        rot = int(rot)      # NumPy integers too
-    if type(rot) is not int or not (2 <= rot <= d and rot % 2 == 0):
+    rot = d if rotary_dim is None else _validate.integer(rotary_dim)    # NumPy integers too
+    if rot is None or not (2 <= rot <= d and rot % 2 == 0):
         raise ValueError(f"{fn}: rotary_dim must be an even int from 2 to the head size {d}, "
                          f"got {rotary_dim!r}")
     pi = _arrays.describe(positions, "positions", None, fn)

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _quant, _validate, functional, gated, qk
+from . import _dtypes, _quant, _validate, functional, gated, qk
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_quant", "qk_rms_norm_", "qk_rms_norm",
            "rms_norm_gated", "RMSNorm", "RMSNormGated", "replace_rmsnorm"]
@@ -600,9 +600,6 @@ def rms_norm_gated(x, z, weight=None, eps=1e-6, *, group_size=None, norm_before_
                                        bool(norm_before_gate))[0]
 
 
-_ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 class RMSNormGated(torch.nn.Module):
     """mamba_ssm's ``RMSNormGated`` on the rmsnorm_hip kernels: the same constructor, defaults
     (``eps=1e-5``, ``norm_before_gate=True``), ``weight`` parameter (ones) and state_dict.
@@ -636,8 +633,9 @@ class RMSNormGated(torch.nn.Module):
             if x.dim() == 0 or x.shape[-1] != n:
                 raise ValueError(f"RMSNormGated: x must have shape (..., {n}), got "
                                  f"{tuple(x.shape)}")
-            if x.dtype not in _ACTIVATION_DTYPES or self.weight.dtype not in (x.dtype,
-                                                                               torch.float32):
+            x_dtype, w_dtype = (str(t.dtype).removeprefix("torch.") for t in (x, self.weight))
+            if (x_dtype not in _dtypes.ACTIVATION_DTYPES
+                    or w_dtype not in _validate.weight_dtypes(x_dtype)):
                 raise TypeError(f"RMSNormGated: x must be float32, float16 or bfloat16 and the "
                                 f"weight of x's dtype or float32, got x {x.dtype}, weight "
                                 f"{self.weight.dtype}")
