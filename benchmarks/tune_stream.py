@@ -1,11 +1,14 @@
 """Streamed forward sweep on a GPU: one-block-per-row launches against the persistent streamed
 grid (kernels/_config.FWD_STREAM_ROWS_PER_SM).  Ops: ``fwd`` (rms_norm, bf16 and one float32
 shape), ``fused`` (the residual add), ``quant`` (SmoothQuant int8), ``quant_res`` (SmoothQuant
-fp8 with a residual, float32 weight) and ``quant_f32`` (SmoothQuant int8 of float32 x); bf16
-unless said.  Device time as the benchmark measures it (CUPTI kernel time, 256 MB write flush
-before each call).  Every variant's outputs are compared bit for bit with the first variant's
-(same per-row layout, so they must be equal; a "!" in the table marks a difference).  One JSON
-line per (op, shape, variant); all of them in --out (default $OUT or .)/tune_stream.json.
+fp8 with a residual, float32 weight), ``quant_f32`` (SmoothQuant int8 of float32 x),
+``static_res`` and ``group_res`` (fp8 with a residual: a static scale, or one scale per 128
+columns); bf16 unless said.  Each row of the output names the launch: streamed or not, threads
+a block, the kernel's registers and blocks an SM.  Device time as the benchmark measures it
+(CUPTI kernel time, 256 MB L2 flush before each call: --flush write or read).  Every
+variant's outputs are compared bit for bit with the first variant's (same per-row layout, so
+they must be equal; a "!" in the table marks a difference).  One JSON line per (op, shape,
+variant); all of them in --out (default $OUT or .)/tune_stream.json.
 
     PYTHONPATH=src python3 benchmarks/tune_stream.py [--ops fwd,fused,quant] [--variants ...]
         [--shapes MxN,...] [--tag _suffix]
@@ -14,8 +17,8 @@ Variants (``name``: what _config is patched to):
   oneshot         FWD_STREAM_ROWS_PER_SM all 0 (one block per row block)
   oneshot_off1    the same with weight_offset = 1 (weight - 1: the same effective weight), i.e.
                   the kernel with the per-element offset add where there is one without
-  stream          FWD_STREAM_ROWS_PER_SM all None (streamed at every M; quantised rows hold
-                  their gains)
+  stream          FWD_STREAM_ROWS_PER_SM all None and no one-shot wave (streamed at every M;
+                  quantised rows hold their gains)
   shipped         the shipped grids and settings
   loaded          the shipped grids, streamed rows without a quantiser loading their weight with
                   each row (after its reduction) instead of holding it for the program
@@ -42,6 +45,9 @@ SHAPES = {
     # SmoothQuant with a residual (fp8, float32 weight: the heaviest streamed kind) and float32 x
     "quant_res": [(32768, 4096), (4096, 4096)],
     "quant_f32": [(16384, 4096), (4096, 4096)],
+    # fp8 with a residual and a bf16 weight: a static scale, and float32 scales per 128 columns
+    "static_res": [(512, 4096), (512, 8192)],
+    "group_res": [(512, 4096), (512, 8192)],
 }
 VARIANTS = "oneshot,oneshot_off1,stream"
 
@@ -51,7 +57,7 @@ _SHIPPED = {}
 
 def _patch(config, variant):
     """Patches _config for ``variant`` (a trailing digit repeats a variant: ``stream2``)."""
-    for name in ("FWD_STREAM_ROWS_PER_SM", "CHUNKS_PER_THREAD", "fwd_spec"):
+    for name in ("FWD_STREAM_ROWS_PER_SM", "FWD_ONE_SHOT_WAVE", "CHUNKS_PER_THREAD", "fwd_spec"):
         _SHIPPED.setdefault(name, getattr(config, name))
         setattr(config, name, _SHIPPED[name])
     if variant.startswith("shipped"):
@@ -71,6 +77,21 @@ def _patch(config, variant):
     limit = None if variant.startswith("stream") else 0
     kinds = dict.fromkeys(config.FWD_STREAM_ROWS_PER_SM["cuda"], limit)
     config.FWD_STREAM_ROWS_PER_SM = {"cuda": kinds, "hip": kinds}
+    config.FWD_ONE_SHOT_WAVE = {"cuda": (), "hip": ()}
+
+
+def _launches(backends):
+    """The forward plans the last calls made: streamed or not, block threads, registers and
+    blocks an SM of each kernel (a variant's plans are forgotten before its first call)."""
+    found = []
+    for backend in backends._backends.values():
+        for spec, kernel, block, _ in getattr(backend, "_plans", {}).values():
+            threads = block[0] * block[1]
+            attributes = getattr(kernel, "attributes", None)
+            found.append(dict(stream=spec.stream, threads=threads,
+                              registers=attributes()["registers"] if attributes else None,
+                              per_sm=backend.resident_per_sm(kernel, threads)))
+    return found
 
 
 def main():
@@ -82,18 +103,20 @@ def main():
     ap.add_argument("--tag", default="", help="suffix of the output file name")
     ap.add_argument("--graph", action="store_true",
                     help="also us per call of 50 calls replayed in one CUDA graph")
+    ap.add_argument("--flush", default="write", choices=("write", "read"),
+                    help="the L2 flush before each timed call (docs/performance.md, Method)")
     args = ap.parse_args()
 
     import torch
 
     import rmsnorm_hip
-    from rmsnorm_hip import functional
+    from rmsnorm_hip import backends, functional
     from rmsnorm_hip._bench import timing
     from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
     from rmsnorm_hip.kernels import _config
 
     copy = timing.cuda_copy_bandwidth()["gbps"]
-    flush = timing.L2Flush("write")
+    flush = timing.L2Flush(args.flush)
     rows = []
     shapes = {op: SHAPES[op] for op in args.ops.split(",")}
     if args.shapes:
@@ -121,6 +144,10 @@ def main():
             w1 = w - 1
             extra = ((1 + 0.2 * torch.rand(n, device="cuda")).to(dtype),
                      torch.randn(m, n, device="cuda", dtype=dtype))
+        elif op in ("static_res", "group_res"):     # x, residual read; q, residual_out written
+            scales = 4 * m * (n // 128) if op == "group_res" else 0
+            nbytes = 3 * m * n * e + m * n + scales + n * e
+            extra = (torch.randn(m, n, device="cuda", dtype=dtype),)
         else:
             nbytes = m * n * e + m * n + m * 4 + n * e + n * 4
             extra = ((1 + 0.2 * torch.rand(n, device="cuda")).float(),)
@@ -134,6 +161,14 @@ def main():
             if op == "quant_res":
                 return rmsnorm_hip.rms_norm_quant(x, weight, 1e-6, xscale=extra[0],
                                                   residual=extra[1], weight_offset=offset,
+                                                  quant_dtype="float8_e4m3fn")
+            if op == "static_res":
+                return rmsnorm_hip.rms_norm_quant(x, weight, 1e-6, residual=extra[0],
+                                                  weight_offset=offset, scale=0.05,
+                                                  quant_dtype="float8_e4m3fn")
+            if op == "group_res":
+                return rmsnorm_hip.rms_norm_quant(x, weight, 1e-6, residual=extra[0],
+                                                  weight_offset=offset, group_size=128,
                                                   quant_dtype="float8_e4m3fn")
             return rmsnorm_hip.rms_norm_quant(x, weight, 1e-6, xscale=extra[0],
                                               weight_offset=offset)
@@ -153,7 +188,8 @@ def main():
             timing.cuda_device_time(fn, flush)     # discarded, as the benchmark's warm-up
             t = timing.cuda_device_time(fn, flush)
             row = dict(op=op, m=m, n=n, dtype=str(dtype)[6:], variant=variant, us=t["us"],
-                       GBps=nbytes / t["us"] / 1e3, bitwise_equal_to_first=same)
+                       GBps=nbytes / t["us"] / 1e3, bitwise_equal_to_first=same,
+                       launches=_launches(backends))
             if args.graph:
                 row["graph_us"] = timing.cuda_graph_time(fn, replays=20)["graph_us"]
             row["pct_copy"] = 100 * row["GBps"] / copy

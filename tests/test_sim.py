@@ -41,20 +41,28 @@ def sim(monkeypatch):
 
 @contextlib.contextmanager
 def launched_specs(be):
-    """Collects the FwdSpec of every forward kernel ``be`` runs inside the block."""
-    specs = []
-    kernel = be.kernel
+    """Collects the spec of every kernel ``be`` looks up inside the block and then launches,
+    once a lookup, in the order of their launches (a kernel looked up to be weighed and not
+    launched is left out)."""
+    specs, built, unlaunched = [], {}, {}
+    kernel, launch = be.kernel, be.launch
 
-    def spy(builder, spec, argtypes):
-        specs.append(spec)
-        return kernel(builder, spec, argtypes)
+    def building(builder, spec, argtypes):
+        compiled = kernel(builder, spec, argtypes)
+        built[id(compiled)] = spec
+        unlaunched[id(compiled)] = unlaunched.get(id(compiled), 0) + 1
+        return compiled
+
+    def launching(compiled, grid, block, args, stream):
+        specs.extend([built.get(id(compiled))] * unlaunched.pop(id(compiled), 0))
+        return launch(compiled, grid, block, args, stream)
 
     be._plans.clear()           # plans memoise kernels per call shape; force the lookup
-    be.kernel = spy
+    be.kernel, be.launch = building, launching
     try:
         yield specs
     finally:
-        del be.kernel
+        del be.kernel, be.launch
         be._plans.clear()
 
 

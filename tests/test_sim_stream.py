@@ -140,3 +140,54 @@ def test_stream_is_chosen_for_cached_vector_rows_only():
             small = _config.fwd_stream(vendor, residual, quant, 1, 132)
             large = _config.fwd_stream(vendor, residual, quant, 10**7, 132)
             assert small == (limit != 0) and large == (limit is None), (vendor, kind)
+
+
+def test_sim_one_shot_wave_between_the_streamed_rows_and_a_wave(sim, rng,  # noqa: F811
+                                                                monkeypatch):
+    """Quantised rows with a residual (_config.FWD_ONE_SHOT_WAVE) run one-shot where more rows
+    than the streamed grid takes at once fit one wave of one-shot blocks, streamed outside that
+    window; a row's outputs are the same bits whatever M, so whichever grid ran them."""
+    from rmsnorm_hip import functional
+    be = sim()
+    streamed = {}       # kernel -> its spec's stream, as built
+    build = be.kernel
+
+    def tagging(builder, spec, argtypes):
+        kernel = build(builder, spec, argtypes)
+        streamed[id(kernel)] = spec.stream
+        return kernel
+    monkeypatch.setattr(be, "kernel", tagging)
+    # one streamed program an SM against three one-shot blocks (the simulator has one SM)
+    monkeypatch.setattr(be, "resident_per_sm", lambda kernel, threads:
+                        1 if streamed[id(kernel)] else 3)
+    launched = []
+    launch = be.launch
+
+    def recording(kernel, grid, block, args, stream):
+        launched.append((streamed[id(kernel)], grid[0]))
+        return launch(kernel, grid, block, args, stream)
+    monkeypatch.setattr(be, "launch", recording)
+    n = pick_n("row", BFLOAT16, vector=True, quant=True)
+    assert _config.rows_per_block(layout_of(n, BFLOAT16, True)) == 1
+    x = aligned_copy(random_array(rng, (4, n), BFLOAT16))
+    res = aligned_copy(random_array(rng, (4, n), BFLOAT16))
+    w = aligned_copy(random_array(rng, n, FLOAT32, loc=1.0, scale=0.2))
+    xs = aligned_copy(random_array(rng, n, FLOAT32, loc=1.0, scale=0.2))
+    try:
+        outs = {}
+        # (M, streamed, blocks): the streamed grid takes one row at once, a wave three
+        for m, stream, blocks in ((1, True, 1), (2, False, 2), (3, False, 3), (4, True, 1)):
+            launched.clear()
+            outs[m] = _call("quant_fp8_residual", aligned_copy(x[:m]), aligned_copy(res[:m]), w,
+                            xs, 0.5)
+            assert launched == [(stream, blocks)], (m, launched)
+        ref = rms_norm_quant_ref(x, w, xscale=xs, residual=res, quant_dtype="float8_e4m3fn",
+                                 weight_offset=0.5)
+        assert_quant_close(outs[4][0], outs[4][1], ref[0], ref[1], "float8_e4m3fn")
+        for m in (1, 2, 3):
+            for i, (a, b) in enumerate(zip(outs[m], outs[4])):
+                a = a.view(np.uint8) if a.dtype.itemsize == 1 else a
+                b = b.view(np.uint8) if b.dtype.itemsize == 1 else b
+                assert_bitwise(a, b[:m], f"output {i} at M = {m} against M = 4's rows")
+    finally:
+        functional.forget_plans()

@@ -7,6 +7,7 @@ from ..kernels import _config, gated_bwd, qk_norm, rmsnorm_bwd, rmsnorm_fwd
 
 _ALIGN = _config.CHUNK_BYTES
 _ALIGN_MASK = _ALIGN - 1
+_MAX_SM_THREADS = 2048     # resident threads an SM holds at most (sm_90)
 
 
 def fwd_args(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
@@ -86,11 +87,33 @@ class GpuBackend:
         y_stride = n if y_stride is None else y_stride
         strides_ok = GpuBackend._rows_aligned(n, dtype,
                                               (x_stride, y_stride) + tuple(more_strides))
-        residual, quant = fused[0], fused[1]
-        stream = _config.fwd_stream(self.vendor, residual, quant, m, self.sm_count)
         scalar = (n, dtype, weight_dtype, False, store_rstd) + tuple(fused) + (False,)
-        vector = (n, dtype, weight_dtype, True, store_rstd) + tuple(fused) + (stream,)
-        return (vector if strides_ok else None), scalar
+        if not strides_ok:
+            return None, scalar
+        vector = (n, dtype, weight_dtype, True, store_rstd) + tuple(fused)
+        return vector + (self._stream(fused[0], fused[1], m, lambda s: vector + (s,)),), scalar
+
+    def _stream(self, residual, quant, m, key_of):
+        """Whether ``m`` rows of a vector forward take the streamed grid: up to the kind's
+        rows per SM (_config.fwd_stream), and for the kinds of _config.FWD_ONE_SHOT_WAVE not
+        where one wave of one-shot blocks holds them (``key_of(stream)``: the plan key)."""
+        if not _config.fwd_stream(self.vendor, residual, quant, m, self.sm_count):
+            return False
+        if _config.fwd_kind(residual, quant) not in _config.FWD_ONE_SHOT_WAVE[self.vendor]:
+            return True
+        spec, _, block, per_sm = self._plans.get(key_of(True)) or self._fwd_plan(key_of(True))
+        threads = block[0] * block[1]
+        stream_rows = per_sm * spec.rows * self.sm_count
+        # an SM holds at most 2048 threads (NVIDIA's kinds): past that bound no one-shot wave
+        # holds the batch, and the one-shot kernel need not be built to say so
+        if (not spec.stream or m <= stream_rows
+                or m > (_MAX_SM_THREADS // threads) * spec.rows * self.sm_count):
+            return True
+        one_shot, kernel, block, _ = self._plans.get(key_of(False)) or self._fwd_plan(
+            key_of(False))
+        wave_rows = (self.resident_per_sm(kernel, block[0] * block[1]) * one_shot.rows
+                     * self.sm_count)
+        return not _config.fwd_one_shot_wave(stream_rows, wave_rows, m)
 
     def _fwd_plan(self, key):
         """(spec, kernel, block, blocks per SM) of a variant key: fwd_spec's first ten
@@ -288,9 +311,10 @@ class GpuBackend:
     def _scaled_key(self, m, n, dtype, weight_dtype, vector, has_residual, quant, xscale_dtype,
                     offset, scaling, group):
         """The plan key of a scaled quantised forward (see _fwd_plan)."""
-        return (n, dtype, weight_dtype, vector, False, has_residual, quant, xscale_dtype, offset,
-                vector and _config.fwd_stream(self.vendor, has_residual, quant, m,
-                                              self.sm_count), scaling, group)
+        base = (n, dtype, weight_dtype, vector, False, has_residual, quant, xscale_dtype, offset)
+        stream = vector and self._stream(has_residual, quant, m,
+                                         lambda s: base + (s, scaling, group))
+        return base + (stream, scaling, group)
 
     def quant_scaled_launcher(self, io, m, n, strides, scale_strides, dtype, weight_dtype,
                               xscale_dtype, has_residual, quant, scaling, group):

@@ -42,6 +42,12 @@ FWD_STREAM_ROWS_PER_SM = {
     "cuda": {"plain": 16, "residual": 4, "quant": None, "quant_residual": 32},
     "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
 }
+# kinds whose batches run one-shot where one wave of one-shot blocks holds them and the streamed
+# grid would walk two rows a program or more (fwd_one_shot_wave).  NVIDIA's streamed quantised
+# rows with a residual hold 80-96 registers (1-5 programs an SM), their one-shot blocks 40
+# (3-12): in that window the wave finishes first, outside it the streamed grid does (H100, bf16
+# N = 2048-8192, M = 512-2048; docs/performance.md)
+FWD_ONE_SHOT_WAVE = {"cuda": ("quant_residual",), "hip": ()}
 
 
 def ceil_div(a, b):
@@ -202,6 +208,13 @@ def fwd_stream(vendor, residual, quant, m, sm_count):
     """Whether a forward of ``m`` rows takes the streamed grid (where its spec can)."""
     limit = FWD_STREAM_ROWS_PER_SM[vendor][fwd_kind(residual, quant)]
     return limit is None or m <= limit * sm_count
+
+
+def fwd_one_shot_wave(stream_rows, wave_rows, m):
+    """Whether ``m`` rows of a FWD_ONE_SHOT_WAVE kind run one-shot: more than the streamed grid
+    takes at once (``stream_rows``, one a program) and no more than one wave of one-shot blocks
+    holds (``wave_rows``).  Either grid gives the same bits."""
+    return stream_rows < m <= wave_rows
 
 
 def fwd_spec(n, dtype, weight, vector, store_rstd, residual=False, quant="", xscale="",
