@@ -80,16 +80,26 @@ def _patch(config, variant):
     config.FWD_ONE_SHOT_WAVE = {"cuda": (), "hip": ()}
 
 
-def _launches(backends):
-    """The forward plans the last calls made: streamed or not, block threads, registers and
-    blocks an SM of each kernel (a variant's plans are forgotten before its first call)."""
+def _recording(backend):
+    """``backend`` with its launches recorded: the set of the ids of the kernels it launched."""
+    launched, launch = set(), backend.launch
+
+    def recorded(kernel, grid, block, args, stream):
+        launched.add(id(kernel))
+        return launch(kernel, grid, block, args, stream)
+    backend.launch = recorded
+    return launched
+
+
+def _launches(backend, launched):
+    """The forward kernels launched since ``launched`` was cleared: streamed or not, block
+    threads, registers and blocks an SM of each."""
     found = []
-    for backend in backends._backends.values():
-        for spec, kernel, block, _ in getattr(backend, "_plans", {}).values():
+    for spec, kernel, block, _ in backend._plans.values():
+        if id(kernel) in launched:
             threads = block[0] * block[1]
-            attributes = getattr(kernel, "attributes", None)
             found.append(dict(stream=spec.stream, threads=threads,
-                              registers=attributes()["registers"] if attributes else None,
+                              registers=kernel.attributes()["registers"],
                               per_sm=backend.resident_per_sm(kernel, threads)))
     return found
 
@@ -115,6 +125,8 @@ def main():
     from rmsnorm_hip._bench.runner import _shape   # 'MxN' -> (M, N), checked
     from rmsnorm_hip.kernels import _config
 
+    backend = backends.get("cuda")
+    launched = _recording(backend)
     copy = timing.cuda_copy_bandwidth()["gbps"]
     flush = timing.L2Flush(args.flush)
     rows = []
@@ -177,6 +189,7 @@ def main():
         for variant in args.variants.split(","):
             _patch(_config, variant)
             functional.forget_plans()
+            launched.clear()
             weight, offset = (w1, 1.0) if variant.endswith("_off1") else (w, 0.0)
             fn = lambda: call(weight, offset)  # noqa: E731
             outs = [o.view(torch.uint8) if o.dtype.itemsize == 1 else o for o in fn()]
@@ -189,7 +202,7 @@ def main():
             t = timing.cuda_device_time(fn, flush)
             row = dict(op=op, m=m, n=n, dtype=str(dtype)[6:], variant=variant, us=t["us"],
                        GBps=nbytes / t["us"] / 1e3, bitwise_equal_to_first=same,
-                       launches=_launches(backends))
+                       launches=_launches(backend, launched))
             if args.graph:
                 row["graph_us"] = timing.cuda_graph_time(fn, replays=20)["graph_us"]
             row["pct_copy"] = 100 * row["GBps"] / copy

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 from _paths import layout_of, pick_n
 from conftest import (BFLOAT16, FLOAT16, FLOAT32, aligned_copy, assert_bitwise, assert_close,
-                      assert_quant_close, full_tier_except, random_array)
+                      assert_levels_close, assert_quant_close, full_tier_except,
+                      random_array)
 from test_sim import launched_specs, sim  # noqa: F401  (sim is a fixture)
 
 from rmsnorm_hip import fused_add_rms_norm, fused_add_rms_norm_, rms_norm, rms_norm_quant
 from rmsnorm_hip.kernels import _config
-from rmsnorm_hip.reference import fused_add_rms_norm_ref, rms_norm_quant_ref, rms_norm_ref
+from rmsnorm_hip.reference import (fused_add_rms_norm_ref, rms_norm_quant_ref,
+                                   rms_norm_quant_scaled_ref, rms_norm_ref)
 
 pytestmark = [pytest.mark.quick, pytest.mark.sim]
 
@@ -38,6 +40,9 @@ def _call(op, x, res, w, xs, offset):
         return rms_norm_quant(x, w, 1e-6, xscale=xs, weight_offset=offset)
     if op == "quant_int8_xscale_only":     # no weight: the gains are xscale's
         return rms_norm_quant(x, None, 1e-6, xscale=xs)
+    if op == "static_fp8_residual":         # a static scale: (q, residual_out)
+        return rms_norm_quant(x, w, 1e-6, residual=res, scale=0.05,
+                              quant_dtype="float8_e4m3fn", weight_offset=offset)
     return rms_norm_quant(x, w, 1e-6, xscale=xs, residual=res, quant_dtype="float8_e4m3fn",
                           weight_offset=offset)
 
@@ -142,8 +147,9 @@ def test_stream_is_chosen_for_cached_vector_rows_only():
             assert small == (limit != 0) and large == (limit is None), (vendor, kind)
 
 
+@pytest.mark.parametrize("op", ["quant_fp8_residual", "static_fp8_residual"])
 def test_sim_one_shot_wave_between_the_streamed_rows_and_a_wave(sim, rng,  # noqa: F811
-                                                                monkeypatch):
+                                                                monkeypatch, op):
     """Quantised rows with a residual (_config.FWD_ONE_SHOT_WAVE) run one-shot where more rows
     than the streamed grid takes at once fit one wave of one-shot blocks, streamed outside that
     window; a row's outputs are the same bits whatever M, so whichever grid ran them."""
@@ -178,16 +184,71 @@ def test_sim_one_shot_wave_between_the_streamed_rows_and_a_wave(sim, rng,  # noq
         # (M, streamed, blocks): the streamed grid takes one row at once, a wave three
         for m, stream, blocks in ((1, True, 1), (2, False, 2), (3, False, 3), (4, True, 1)):
             launched.clear()
-            outs[m] = _call("quant_fp8_residual", aligned_copy(x[:m]), aligned_copy(res[:m]), w,
-                            xs, 0.5)
+            outs[m] = _call(op, aligned_copy(x[:m]), aligned_copy(res[:m]), w, xs, 0.5)
             assert launched == [(stream, blocks)], (m, launched)
-        ref = rms_norm_quant_ref(x, w, xscale=xs, residual=res, quant_dtype="float8_e4m3fn",
-                                 weight_offset=0.5)
-        assert_quant_close(outs[4][0], outs[4][1], ref[0], ref[1], "float8_e4m3fn")
+        if op == "quant_fp8_residual":
+            ref = rms_norm_quant_ref(x, w, xscale=xs, residual=res,
+                                     quant_dtype="float8_e4m3fn", weight_offset=0.5)
+            assert_quant_close(outs[4][0], outs[4][1], ref[0], ref[1], "float8_e4m3fn")
+        else:
+            levels, _, ro_ref = rms_norm_quant_scaled_ref(
+                x, w, residual=res, quant_dtype="float8_e4m3fn", weight_offset=0.5, scale=0.05)
+            assert_levels_close(outs[4][0], levels, "float8_e4m3fn")
+            assert_close(outs[4][1], ro_ref, BFLOAT16)
         for m in (1, 2, 3):
             for i, (a, b) in enumerate(zip(outs[m], outs[4])):
                 a = a.view(np.uint8) if a.dtype.itemsize == 1 else a
                 b = b.view(np.uint8) if b.dtype.itemsize == 1 else b
                 assert_bitwise(a, b[:m], f"output {i} at M = {m} against M = 4's rows")
+    finally:
+        functional.forget_plans()
+
+
+@pytest.mark.parametrize("op,too_big,launched", [
+    # a streamed program of too many registers; any block built without bounds
+    ("rms_norm", "streamed", dict(stream=False, bounded=False)),
+    ("quant_fp8_residual", "free", dict(stream=False, bounded=True)),
+])
+def test_sim_kernels_that_fit_no_sm_fall_back(sim, rng, monkeypatch, op, too_big,  # noqa: F811
+                                              launched):
+    """A forward kernel the driver can hold no block of on an SM (ptxas gave it the registers
+    it asked for) is not launched: a streamed program runs one-shot, a one-shot block is built
+    to its launch bounds; the same bits as the streamed call."""
+    from rmsnorm_hip import functional
+    be = sim()
+    quant = op.startswith("quant")
+    n = pick_n("row", BFLOAT16, vector=True, quant=quant)
+    x = aligned_copy(random_array(rng, (3, n), BFLOAT16))
+    res = aligned_copy(random_array(rng, (3, n), BFLOAT16))
+    w = aligned_copy(random_array(rng, n, FLOAT32 if quant else BFLOAT16, loc=1.0, scale=0.2))
+    xs = aligned_copy(random_array(rng, n, FLOAT32, loc=1.0, scale=0.2)) if quant else None
+    inputs = (x, res, w, xs, 0.5)
+    want, spec = _run(be, op, inputs, True, monkeypatch)
+    assert spec.stream
+    specs = {}
+    build = be.kernel
+
+    def tagging(builder, spec, argtypes):
+        kernel = build(builder, spec, argtypes)
+        specs[id(kernel)] = spec
+        return kernel
+
+    def fits(kernel, threads):
+        spec = specs[id(kernel)]
+        return 0 if (spec.stream if too_big == "streamed" else not spec.bounded) else 2
+    monkeypatch.setattr(be, "kernel", tagging)
+    monkeypatch.setattr(be, "resident_per_sm", fits)
+    try:
+        functional.forget_plans()
+        with launched_specs(be) as ran:
+            got = _call(op, *inputs)
+        (spec,) = ran
+        assert (spec.stream, spec.bounded) == (launched["stream"], launched["bounded"]), spec
+        assert _config.launch_bounds(spec)[0] == (spec.layout.threads * spec.rows
+                                                  if spec.bounded else None)
+        for i, (a, b) in enumerate(zip(got, want)):
+            a = a.view(np.uint8) if a.dtype.itemsize == 1 else a
+            b = b.view(np.uint8) if b.dtype.itemsize == 1 else b
+            assert_bitwise(a, b, f"{op} output {i}: fallback vs streamed")
     finally:
         functional.forget_plans()

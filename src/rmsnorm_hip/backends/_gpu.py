@@ -2,12 +2,14 @@
 packing its launch (one argument builder per kernel: fwd_args, fused_args, bwd_args).
 Subclasses provide ``compile(builder, spec, argtypes)``, ``launch(kernel, grid, block, args,
 stream)``, ``arg(info, dtype)``, ``stream_for(info)`` and ``cache_key``."""
+from dataclasses import replace
+
 from .. import _arrays, _cache, _dtypes
 from ..kernels import _config, gated_bwd, qk_norm, rmsnorm_bwd, rmsnorm_fwd
 
 _ALIGN = _config.CHUNK_BYTES
 _ALIGN_MASK = _ALIGN - 1
-_MAX_SM_THREADS = 2048     # resident threads an SM holds at most (sm_90)
+_MAX_SM_THREADS = 2048     # resident threads an SM holds at most (NVIDIA's largest SMs)
 
 
 def fwd_args(x, weight, y, rstd, m, x_stride, y_stride, eps, weight_offset):
@@ -67,7 +69,7 @@ class GpuBackend:
 
     def resident_per_sm(self, kernel, block_threads):
         """Blocks of ``kernel`` one SM/CU holds at once; backends that can ask the driver do."""
-        return max(1, 2048 // block_threads)
+        return max(1, _MAX_SM_THREADS // block_threads)
 
     # ---- forward -------------------------------------------------------------------------
     @staticmethod
@@ -120,13 +122,25 @@ class GpuBackend:
         arguments as fwd_kernels gives them, then a scaled format's (scaling, group)."""
         plan = self._plans.get(key)
         if plan is None:
-            spec = _config.fwd_spec(*key[:10], vendor=self.vendor,
-                                    **dict(zip(("scaling", "group"), key[10:])))
-            kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
-            threads = spec.layout.threads * spec.rows
-            per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
-            plan = self._plans[key] = (spec, kernel, (spec.layout.threads, spec.rows, 1), per_sm)
+            spec, kernel, per_sm = self._fwd_kernel(_config.fwd_spec(
+                *key[:10], vendor=self.vendor, **dict(zip(("scaling", "group"), key[10:]))))
+            plan = self._plans[key] = (spec, kernel, (spec.layout.threads, spec.rows, 1),
+                                       per_sm if spec.stream else 0)
         return plan
+
+    def _fwd_kernel(self, spec):
+        """(spec, kernel, blocks per SM) of a forward that can launch.  ptxas gives forward
+        kernels the registers they ask for: a streamed program of a long row may then need
+        more than an SM has for one block (bf16 N = 16384: 704 threads of 102 registers); it
+        runs one-shot, the same bits.  A one-shot block that still does not fit is built to
+        its launch bounds (FwdSpec.bounded)."""
+        kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
+        per_sm = self.resident_per_sm(kernel, spec.layout.threads * spec.rows)
+        if per_sm == 0 and spec.stream:
+            return self._fwd_kernel(replace(spec, stream=False, held_weights=False))
+        if per_sm == 0 and not spec.bounded:
+            return self._fwd_kernel(replace(spec, bounded=True))
+        return spec, kernel, per_sm
 
     def _fwd_launch_shape(self, key, m):
         """(kernel, grid, block) for m rows."""
@@ -185,9 +199,8 @@ class GpuBackend:
         vector = (self._rows_aligned(n, x.dtype, (x_stride, y_stride, x_head_stride,
                                                   y_head_stride))
                   and not pointers & _ALIGN_MASK)
-        spec = _config.fwd_spec(n, x.dtype, wdtype, vector, rstd is not None, vendor=self.vendor,
-                                heads=True)
-        kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
+        spec, kernel, _ = self._fwd_kernel(_config.fwd_spec(
+            n, x.dtype, wdtype, vector, rstd is not None, vendor=self.vendor, heads=True))
         args = fwd_args(self.arg(x, x.dtype), self.arg(weight, _dtypes.FLOAT32),
                         self.arg(y, y.dtype), self.arg(rstd, _dtypes.FLOAT32), m, x_stride,
                         y_stride, eps, weight_offset) + (h, x_head_stride, y_head_stride)
@@ -218,11 +231,9 @@ class GpuBackend:
         stream = h == 1 and _config.fwd_stream(self.vendor, True, "", m, self.sm_count)
 
         def build(vector):
-            spec = _config.fwd_spec(n, dtype, weight_dtype, vector, store_rstd, stream=stream,
-                                    vendor=self.vendor, heads=h > 1, gate=gate)
-            kernel = self.kernel(rmsnorm_fwd.make_rmsnorm_fwd, spec, rmsnorm_fwd.argtypes(spec))
-            threads = spec.layout.threads * spec.rows
-            per_sm = self.resident_per_sm(kernel, threads) if spec.stream else 0
+            spec, kernel, per_sm = self._fwd_kernel(_config.fwd_spec(
+                n, dtype, weight_dtype, vector, store_rstd, stream=stream, vendor=self.vendor,
+                heads=h > 1, gate=gate))
             return (kernel, (_config.fwd_programs(spec, m, self.sm_count, per_sm), 1, 1),
                     (spec.layout.threads, spec.rows, 1))
         return _per_form(build), (_ALIGN_MASK if vector_ok else 0)
@@ -325,12 +336,7 @@ class GpuBackend:
         the vector or the scalar kernel."""
         x_stride, r_stride, _, ro_stride = strides
         strides_ok = self._rows_aligned(n, dtype, (x_stride, r_stride, ro_stride))
-        keys = {(vector, offset): self._scaled_key(m, n, dtype, weight_dtype, vector,
-                                                   has_residual, quant, xscale_dtype, offset,
-                                                   scaling, group)
-                for vector in ((False, True) if strides_ok else (False,))
-                for offset in (False, True)}
-        shapes = {}     # kernels compiled as calls first need them
+        shapes = {}     # kernels chosen and compiled as calls first need them
         mask = _ALIGN_MASK if strides_ok else 0
         ptr, stream, launch = io.ptr, io.stream, self.launch
 
@@ -346,7 +352,9 @@ class GpuBackend:
                 aligned = not bits & mask
             which = (aligned, weight_offset != 0.0)
             kernel, grid, block = shapes.get(which) or shapes.setdefault(
-                which, self._fwd_launch_shape(keys[which], m))
+                which, self._fwd_launch_shape(self._scaled_key(
+                    m, n, dtype, weight_dtype, aligned, has_residual, quant, xscale_dtype,
+                    which[1], scaling, group), m))
             args = fused_args(*pointers, 0, 0 if scales is None else ptr(scales), m, strides,
                               eps, weight_offset)
             launch(kernel, grid, block, args + _scaled_tail(scaling, scale_strides, scale_value),
@@ -362,13 +370,14 @@ class GpuBackend:
         residual_out are x and residual; there ``run`` returns None, without launching, when the
         arrays' byte spans meet (full validation then decides whether they truly overlap)."""
         x_stride, r_stride, y_stride, ro_stride = strides
-        keys = {}
-        for offset in (False, True):
-            keys[offset] = self.fwd_kernels(
-                m, n, dtype, weight_dtype, return_rstd, x_stride, y_stride,
-                more_strides=(r_stride, ro_stride),
-                fused=(has_residual, quant, xscale_dtype, offset))
-        mask = 0 if keys[True][0] is None else _ALIGN_MASK
+        keys = {}       # (vector key, scalar key) by weight_offset != 0, as calls first need them
+
+        def keys_for(offset):
+            return self.fwd_kernels(m, n, dtype, weight_dtype, return_rstd, x_stride, y_stride,
+                                    more_strides=(r_stride, ro_stride),
+                                    fused=(has_residual, quant, xscale_dtype, offset))
+        strides_ok = self._rows_aligned(n, dtype, (x_stride, y_stride, r_stride, ro_stride))
+        mask = _ALIGN_MASK if strides_ok else 0
         f32 = _dtypes.FLOAT32
         like_x = x_stride == n
         alloc_y = None if in_place else io.like_allocator(shape, quant or dtype,
@@ -400,7 +409,9 @@ class GpuBackend:
                 s_ptr = 0 if xscale is None else ptr(xscale)
                 y_ptr = x_ptr if in_place else ptr(y)
                 ro_ptr = 0 if ro is None else (r_ptr if in_place else ptr(ro))
-                vector_key, scalar_key = keys[weight_offset != 0.0]
+                offset = weight_offset != 0.0
+                vector_key, scalar_key = keys.get(offset) or keys.setdefault(offset,
+                                                                             keys_for(offset))
                 key = (vector_key if mask and not (x_ptr | r_ptr | w_ptr | s_ptr | y_ptr | ro_ptr)
                        & mask else scalar_key)
                 shape_ = shapes.get(key) or shapes.setdefault(key, self._fwd_launch_shape(key, m))

@@ -38,15 +38,17 @@ BLOCK_THREADS = 128
 # words during this row's reduction and stores (same per-row operations: the same bits).  The
 # most rows per SM it takes (None: any M; 0: never): it wins on small batches and loses 2-7
 # points of copy at large M, except issue-bound quantised rows (H200; docs/performance.md).
+# Within that limit the dispatcher (backends/_gpu) may still run one-shot: FWD_ONE_SHOT_WAVE,
+# and programs too large for one block an SM.
 FWD_STREAM_ROWS_PER_SM = {
     "cuda": {"plain": 16, "residual": 4, "quant": None, "quant_residual": 32},
     "hip": {"plain": 0, "residual": 0, "quant": 0, "quant_residual": 0},
 }
 # kinds whose batches run one-shot where one wave of one-shot blocks holds them and the streamed
 # grid would walk two rows a program or more (fwd_one_shot_wave).  NVIDIA's streamed quantised
-# rows with a residual hold 80-96 registers (1-5 programs an SM), their one-shot blocks 40
-# (3-12): in that window the wave finishes first, outside it the streamed grid does (H100, bf16
-# N = 2048-8192, M = 512-2048; docs/performance.md)
+# rows with a residual hold 80-168 registers (1-5 programs an SM), their one-shot blocks 40-60
+# (3-12): in that window the wave finishes first in a CUDA graph, below it the streamed grid
+# does (H100, bf16 N = 2048-8192, M = 512-1024; docs/performance.md)
 FWD_ONE_SHOT_WAVE = {"cuda": ("quant_residual",), "hip": ()}
 
 
@@ -152,6 +154,9 @@ class FwdSpec:
     # (quant an MX format); "static" none written, q = y / s with s read from the yscale argument
     scaling: str = ""
     group: int = 0
+    # built to its launch bounds (launch_bounds): a one-shot block whose free registers would
+    # not fit on an SM (the dispatcher asks this where the driver holds no block of it)
+    bounded: bool = False
 
 
     def __post_init__(self):
@@ -205,15 +210,16 @@ def fwd_kind(residual, quant):
 
 
 def fwd_stream(vendor, residual, quant, m, sm_count):
-    """Whether a forward of ``m`` rows takes the streamed grid (where its spec can)."""
+    """Whether a forward of ``m`` rows is within its kind's streamed limit (the dispatcher then
+    decides: GpuBackend._stream)."""
     limit = FWD_STREAM_ROWS_PER_SM[vendor][fwd_kind(residual, quant)]
     return limit is None or m <= limit * sm_count
 
 
 def fwd_one_shot_wave(stream_rows, wave_rows, m):
     """Whether ``m`` rows of a FWD_ONE_SHOT_WAVE kind run one-shot: more than the streamed grid
-    takes at once (``stream_rows``, one a program) and no more than one wave of one-shot blocks
-    holds (``wave_rows``).  Either grid gives the same bits."""
+    covers with one row a program (``stream_rows``) and no more than one wave of one-shot
+    blocks holds (``wave_rows``).  Either grid gives the same bits."""
     return stream_rows < m <= wave_rows
 
 
@@ -720,11 +726,14 @@ def launch_bounds(spec):
     dresidual forms took 81-101 and so one block per SM), while 512 x 2 rows ask no minimum and
     take up to 128.  The gated backward declares its block size too.  Forward kernels stay
     free (with a bound alone ptxas squeezed the looped 1024-thread forward to 32 registers and
-    spilled), but for streamed scaled-quant rows, held to SCALED_STREAM_MAX_REGISTERS."""
+    spilled), but for streamed scaled-quant rows, held to SCALED_STREAM_MAX_REGISTERS, and
+    bounded ones (FwdSpec.bounded), held to their block size."""
     if isinstance(spec, GatedBwdSpec):
         return spec.layout.threads * spec.rows, None
     if isinstance(spec, FwdSpec):
         threads = spec.layout.threads * spec.rows
+        if spec.bounded:
+            return threads, None
         if spec.stream and spec.scaling and spec.weight and not (spec.residual or spec.xscale):
             # streamed rows with scales per group, MX or static, holding their weight, took
             # 130-164 registers: one 256-thread program per SM at N = 8192 (8 warps; Nsight
