@@ -46,9 +46,9 @@ FWD_STREAM_ROWS_PER_SM = {
 }
 # kinds whose batches run one-shot where one wave of one-shot blocks holds them and the streamed
 # grid would walk two rows a program or more (fwd_one_shot_wave).  NVIDIA's streamed quantised
-# rows with a residual hold 80-168 registers (1-5 programs an SM), their one-shot blocks 40-60
-# (3-12): in that window the wave finishes first in a CUDA graph, below it the streamed grid
-# does (H100, bf16 N = 2048-8192, M = 512-1024; docs/performance.md)
+# rows with a residual hold 80-168 registers (1-5 programs an SM), their one-shot blocks 40-66
+# (3-12; benchmarks/kernel_fit.py): in that window the wave finishes first in a CUDA graph,
+# below it the streamed grid does (H100, bf16 N = 2048-8192, M = 512-1024; docs/performance.md)
 FWD_ONE_SHOT_WAVE = {"cuda": ("quant_residual",), "hip": ()}
 
 
