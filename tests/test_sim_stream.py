@@ -58,6 +58,27 @@ def _run(be, op, inputs, stream, monkeypatch):
     return out, specs[0]
 
 
+def _assert_same_outputs(got, want, what, rows=None):
+    """Each output of ``got`` bitwise ``want``'s (its first ``rows`` rows when given); 8-bit
+    outputs compared as bytes."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        a = a.view(np.uint8) if a.dtype.itemsize == 1 else a
+        b = b.view(np.uint8) if b.dtype.itemsize == 1 else b
+        assert_bitwise(a, b if rows is None else b[:rows], f"output {i}: {what}")
+
+
+def _specs_by_kernel(be, monkeypatch):
+    """{id(kernel): spec} of every kernel ``be`` builds from now on."""
+    specs, build = {}, be.kernel
+
+    def tagging(builder, spec, argtypes):
+        kernel = build(builder, spec, argtypes)
+        specs[id(kernel)] = spec
+        return kernel
+    monkeypatch.setattr(be, "kernel", tagging)
+    return specs
+
+
 FLAVORS = [("row", 3), ("row", 4), ("multirow_warps", 3)]
 CASES = [(op, flavor, rows) for op in OPS for flavor, rows in FLAVORS]
 
@@ -93,10 +114,7 @@ def test_sim_streamed_rows_give_the_one_shot_bits(sim, rng, monkeypatch, op, fla
     assert spec.vector and spec.layout == spec1.layout and spec.rows == rows, spec
     # the offset switch: quantised rows with a weight only
     assert spec.offset == (offset != 0.0 or not quant or op == "quant_int8_xscale_only")
-    for i, (a, b) in enumerate(zip(streamed, one_shot)):
-        a = a.view(np.uint8) if a.dtype.itemsize == 1 else a
-        b = b.view(np.uint8) if b.dtype.itemsize == 1 else b
-        assert_bitwise(a, b, f"{op} output {i}: streamed vs one-shot")
+    _assert_same_outputs(streamed, one_shot, f"{op} streamed vs one-shot")
     assert_bitwise(x, x0, "x after the call")
     assert_bitwise(res, res0, "residual after the call")
 
@@ -155,22 +173,15 @@ def test_sim_one_shot_wave_between_the_streamed_rows_and_a_wave(sim, rng,  # noq
     window; a row's outputs are the same bits whatever M, so whichever grid ran them."""
     from rmsnorm_hip import functional
     be = sim()
-    streamed = {}       # kernel -> its spec's stream, as built
-    build = be.kernel
-
-    def tagging(builder, spec, argtypes):
-        kernel = build(builder, spec, argtypes)
-        streamed[id(kernel)] = spec.stream
-        return kernel
-    monkeypatch.setattr(be, "kernel", tagging)
+    specs = _specs_by_kernel(be, monkeypatch)
     # one streamed program an SM against three one-shot blocks (the simulator has one SM)
     monkeypatch.setattr(be, "resident_per_sm", lambda kernel, threads:
-                        1 if streamed[id(kernel)] else 3)
+                        1 if specs[id(kernel)].stream else 3)
     launched = []
     launch = be.launch
 
     def recording(kernel, grid, block, args, stream):
-        launched.append((streamed[id(kernel)], grid[0]))
+        launched.append((specs[id(kernel)].stream, grid[0]))
         return launch(kernel, grid, block, args, stream)
     monkeypatch.setattr(be, "launch", recording)
     n = pick_n("row", BFLOAT16, vector=True, quant=True)
@@ -196,10 +207,7 @@ def test_sim_one_shot_wave_between_the_streamed_rows_and_a_wave(sim, rng,  # noq
             assert_levels_close(outs[4][0], levels, "float8_e4m3fn")
             assert_close(outs[4][1], ro_ref, BFLOAT16)
         for m in (1, 2, 3):
-            for i, (a, b) in enumerate(zip(outs[m], outs[4])):
-                a = a.view(np.uint8) if a.dtype.itemsize == 1 else a
-                b = b.view(np.uint8) if b.dtype.itemsize == 1 else b
-                assert_bitwise(a, b[:m], f"output {i} at M = {m} against M = 4's rows")
+            _assert_same_outputs(outs[m], outs[4], f"M = {m} against M = 4's rows", rows=m)
     finally:
         functional.forget_plans()
 
@@ -225,18 +233,11 @@ def test_sim_kernels_that_fit_no_sm_fall_back(sim, rng, monkeypatch, op, too_big
     inputs = (x, res, w, xs, 0.5)
     want, spec = _run(be, op, inputs, True, monkeypatch)
     assert spec.stream
-    specs = {}
-    build = be.kernel
-
-    def tagging(builder, spec, argtypes):
-        kernel = build(builder, spec, argtypes)
-        specs[id(kernel)] = spec
-        return kernel
+    specs = _specs_by_kernel(be, monkeypatch)
 
     def fits(kernel, threads):
         spec = specs[id(kernel)]
         return 0 if (spec.stream if too_big == "streamed" else not spec.bounded) else 2
-    monkeypatch.setattr(be, "kernel", tagging)
     monkeypatch.setattr(be, "resident_per_sm", fits)
     try:
         functional.forget_plans()
@@ -246,9 +247,6 @@ def test_sim_kernels_that_fit_no_sm_fall_back(sim, rng, monkeypatch, op, too_big
         assert (spec.stream, spec.bounded) == (launched["stream"], launched["bounded"]), spec
         assert _config.launch_bounds(spec)[0] == (spec.layout.threads * spec.rows
                                                   if spec.bounded else None)
-        for i, (a, b) in enumerate(zip(got, want)):
-            a = a.view(np.uint8) if a.dtype.itemsize == 1 else a
-            b = b.view(np.uint8) if b.dtype.itemsize == 1 else b
-            assert_bitwise(a, b, f"{op} output {i}: fallback vs streamed")
+        _assert_same_outputs(got, want, f"{op} fallback vs streamed")
     finally:
         functional.forget_plans()

@@ -103,7 +103,7 @@ class GpuBackend:
             return False
         if _config.fwd_kind(residual, quant) not in _config.FWD_ONE_SHOT_WAVE[self.vendor]:
             return True
-        spec, _, block, per_sm = self._plans.get(key_of(True)) or self._fwd_plan(key_of(True))
+        spec, _, block, per_sm = self._fwd_plan(key_of(True))
         threads = block[0] * block[1]
         stream_rows = per_sm * spec.rows * self.sm_count
         # an SM holds at most 2048 threads (NVIDIA's kinds): past that bound no one-shot wave
@@ -111,8 +111,7 @@ class GpuBackend:
         if (not spec.stream or m <= stream_rows
                 or m > (_MAX_SM_THREADS // threads) * spec.rows * self.sm_count):
             return True
-        one_shot, kernel, block, _ = self._plans.get(key_of(False)) or self._fwd_plan(
-            key_of(False))
+        one_shot, kernel, block, _ = self._fwd_plan(key_of(False))
         wave_rows = (self.resident_per_sm(kernel, block[0] * block[1]) * one_shot.rows
                      * self.sm_count)
         return not _config.fwd_one_shot_wave(stream_rows, wave_rows, m)
